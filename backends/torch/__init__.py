@@ -1,0 +1,129 @@
+"""Materialises a Program into a runnable nn.Module built from each op's reference implementation."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ...ir.ops.io import TiedHead
+from ...ir.program import Program
+from ...ir.weights import WeightStore
+
+
+def _place(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Registers `module` at a dotted path, creating plain containers on the way."""
+    *parents, leaf = path.split(".")
+    m = root
+    for p in parents:
+        if not hasattr(m, p):
+            m.add_module(p, nn.Module())
+        m = getattr(m, p)
+    m.add_module(leaf, module)
+
+
+class ProgramModule(nn.Module):
+    """Runs a Program. `forward(input_ids)` gives the program's outputs (logits, MTP logits).
+
+    `prefill(input_ids, state=None)` and `decode(token_ids, state)` also return the decode state: a flat
+    tuple of tensors in the order of `state_names` (conv/SSM state per Mamba block, K/V per attention
+    block, the MTP head's own). Its state_dict keys are the checkpoint's tensor names.
+    """
+
+    def __init__(self, prog: Program, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.program = prog
+        self._nodes = []
+        embeds = []
+        for n in prog.nodes:
+            with torch.device(device):
+                m = n.op.build()
+            _place(self, n.path, m)
+            self._nodes.append((n, m))
+            if n.op.kind == "embed":
+                embeds.append(m)
+        for n, m in self._nodes:
+            if isinstance(m, TiedHead):
+                m.bind(embeds[0])
+        self.state_names = [f"{n.path}.{k}" for n, _ in self._nodes for k in n.op.state_shapes()]
+
+    def _run(self, ids, state, decode):
+        env = {self.program.inputs[0]: ids}
+        new_state, i = [], 0
+        embed = head = None
+        for n, m in self._nodes:
+            args = [env[a] for a in n.args]
+            k = n.op.kind
+            if n.op.is_block:
+                cnt = len(n.op.state_shapes())
+                out, st = m(args[0], None if state is None or not cnt else tuple(state[i:i + cnt]), decode)
+                new_state += list(st)
+                i += cnt
+            elif k == "mtp":
+                cnt = len(n.op.state_shapes())
+                z, st = m(args[0], embed(args[1]), None if state is None else tuple(state[i:i + cnt]), decode)
+                new_state += list(st)
+                i += cnt
+                out = head(z)
+            else:
+                out = m(*args)
+                embed = m if k == "embed" else embed
+                head = m if k == "lm_head" else head
+            env[n.name] = out
+        return tuple(env[o] for o in self.program.outputs), tuple(new_state)
+
+    def forward(self, input_ids):
+        outs, _ = self._run(input_ids, None, False)
+        return outs if len(outs) > 1 else outs[0]
+
+    def prefill(self, input_ids, state=None):
+        return self._run(input_ids, state, False)
+
+    def decode(self, token_ids, state):
+        """One token per sequence: token_ids [B] or [B, 1]."""
+        return self._run(token_ids.reshape(-1, 1), state, True)
+
+
+def load_weights(module: ProgramModule, weights: WeightStore | None = None) -> ProgramModule:
+    """Copies the store's tensors into the module (casting only the dtype the module computes in)."""
+    w = weights or module.program.weights
+    own = module.state_dict()
+    missing = sorted(set(own) - set(w.names()))
+    if missing:
+        raise KeyError(f"the weight store lacks {missing[:3]}")
+    module.load_state_dict({k: w.get(k) for k in own}, strict=True, assign=True)
+    return module
+
+
+def materialize(prog: Program, dtype: torch.dtype | None = None) -> ProgramModule:
+    """A runnable module with the program's weights (meta weights give a meta-device module)."""
+    meta = prog.is_meta
+    m = ProgramModule(prog, device="meta" if meta else "cpu")
+    if not meta:
+        load_weights(m)
+    if dtype is not None:
+        m.to(dtype)
+    return m.eval()
+
+
+def random_weights(prog: Program, seed: int = 0, dtype: torch.dtype = torch.float32, std: float = 0.02) -> Program:
+    """Fills the program's store with a fresh reference initialisation (as Nemotron-H initialises)."""
+    g = torch.Generator().manual_seed(seed)
+    for n in prog.nodes:
+        for local, shape in n.op.params().items():
+            name = f"{n.path}.{local}"
+            leaf = local.rsplit(".", 1)[-1]
+            if leaf == "A_log":
+                t = torch.log(torch.arange(1, shape[0] + 1, dtype=torch.float32))
+            elif leaf in ("D",) or local.endswith("norm.weight") or leaf == "weight" and "norm" in local:
+                t = torch.ones(shape)
+            elif leaf == "dt_bias":
+                dt = torch.exp(torch.rand(shape, generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+                t = dt + torch.log(-torch.expm1(-dt))
+            elif leaf in ("e_score_correction_bias",) or leaf == "bias":
+                t = torch.zeros(shape)
+            else:
+                t = torch.randn(shape, generator=g) * std
+            fp32 = local in n.op.fp32_params()
+            prog.weights.set(name, t.to(torch.float32 if fp32 else dtype))
+    return prog

@@ -1,0 +1,25 @@
+"""The IR: Programs of block-level nodes, their weights, checkpoints, tracing, printing and verifying."""
+from .checkpoint import assemble, load, save
+from .ops import OPS, OpSpec
+from .printer import format_params, print_program
+from .program import Node, Program
+from .verifier import problems, verify
+from .weights import WeightStore
+
+
+def trace(module, example_inputs, check: bool = True, **kw) -> Program:
+    """Traces a torch module into a Program via torch.export (see ir.trace)."""
+    from .trace import trace as _trace
+
+    return _trace(module, example_inputs, check=check, **kw)
+
+
+def register_module(cls, converter=None):
+    """Maps a module class to an op for tracing (see ir.trace.register_module)."""
+    from .trace import register_module as _reg
+
+    return _reg(cls, converter)
+
+
+__all__ = ["Program", "Node", "OpSpec", "OPS", "WeightStore", "load", "save", "assemble", "trace",
+           "register_module", "verify", "problems", "print_program", "format_params"]

@@ -1,0 +1,19 @@
+"""The block vocabulary. Each op kind lives in one module; adding one is a new file plus a line here."""
+from .base import Block, OpSpec, RMSNorm
+from .attention import Attention
+from .io import Embed, LMHead, Norm
+from .mamba2 import Mamba2
+from .mlp import MLP, Linear, Noop
+from .moe import MoE
+from .mtp import MTP
+from .opaque import Opaque
+
+OPS: dict[str, type[OpSpec]] = {
+    c.kind: c for c in (Embed, Norm, LMHead, Mamba2, MoE, Attention, MLP, Noop, Linear, MTP, Opaque)
+}
+#: Nemotron-H layer-pattern letters
+LETTERS: dict[str, type[OpSpec]] = {"M": Mamba2, "E": MoE, "*": Attention, "-": MLP}
+LETTER_OF = {c.kind: k for k, c in LETTERS.items()}
+
+__all__ = ["OPS", "LETTERS", "LETTER_OF", "OpSpec", "Block", "RMSNorm", "Embed", "Norm", "LMHead",
+           "Mamba2", "MoE", "Attention", "MLP", "Noop", "Linear", "MTP", "Opaque"]

@@ -1,0 +1,72 @@
+"""Grouped-query attention block with a KV cache; no positional encoding (Nemotron-H)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from .base import Block, OpSpec, RMSNorm, positive
+
+
+@dataclass(frozen=True)
+class Attention(OpSpec):
+    kind = "attention"
+    is_block = True
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float = 1e-5
+
+    def params(self):
+        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        return {
+            "norm.weight": (self.hidden,),
+            "mixer.q_proj.weight": (q, self.hidden),
+            "mixer.k_proj.weight": (kv, self.hidden),
+            "mixer.v_proj.weight": (kv, self.hidden),
+            "mixer.o_proj.weight": (self.hidden, q),
+        }
+
+    def state_shapes(self):
+        return {"k": ("B", self.kv_heads, "L", self.head_dim), "v": ("B", self.kv_heads, "L", self.head_dim)}
+
+    def check(self):
+        out = super().check() + positive(self, "hidden", "q_heads", "kv_heads", "head_dim")
+        if self.kv_heads > 0 and self.q_heads % self.kv_heads:
+            out.append(("kv_heads", f"q_heads={self.q_heads} must be divisible by kv_heads={self.kv_heads}"))
+        return out
+
+    def build(self):
+        return Block(self, RMSNorm(self.hidden, self.eps), AttentionMixer(self))
+
+
+class AttentionMixer(nn.Module):
+    stateful = True
+
+    def __init__(self, spec: Attention):
+        super().__init__()
+        s = self.spec = spec
+        self.q_proj = nn.Linear(s.hidden, s.q_heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.q_heads * s.head_dim, s.hidden, bias=False)
+
+    def forward(self, x, state=None, decode: bool = False):
+        """x [b,t,hidden]; state (k, v) [b,kv_heads,L,head_dim] of the L tokens before, or None."""
+        s = self.spec
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, s.q_heads, s.head_dim).transpose(1, 2)
+        k = self.k_proj(x).reshape(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).reshape(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        if state is not None:
+            k, v = torch.cat([state[0], k], dim=2), torch.cat([state[1], v], dim=2)
+        past = k.shape[2] - t
+        # query i sits at absolute position past + i and sees keys 0 .. past + i
+        visible = torch.arange(k.shape[2], device=x.device)[None, :] <= torch.arange(t, device=x.device)[:, None] + past
+        rep = s.q_heads // s.kv_heads
+        kr, vr = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, kr, vr, attn_mask=visible)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, s.q_heads * s.head_dim)), (k, v)

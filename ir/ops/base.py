@@ -1,0 +1,112 @@
+"""What every op kind provides: typed attributes, parameter shapes, states, checks and a torch module."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An immutable, typed description of one node; subclasses add their attributes as fields."""
+
+    kind: ClassVar[str] = ""
+    #: roles of the node's inputs: "hidden" ([B, T, hidden] float) or "ids" ([B, T] integer)
+    inputs: ClassVar[tuple[str, ...]] = ("hidden",)
+    #: True for residual blocks (one per layer, named backbone.layers.{i})
+    is_block: ClassVar[bool] = False
+
+    def replace(self, **changes) -> "OpSpec":
+        return dataclasses.replace(self, **changes)
+
+    def attrs(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # -- parameters ---------------------------------------------------------------------------
+    def params(self) -> dict[str, tuple[int, ...]]:
+        """Local parameter names (relative to the node path) and their shapes."""
+        return {}
+
+    def active_params(self) -> int:
+        """Parameters touched per token (differs from the total only for routed experts)."""
+        return sum(_numel(s) for s in self.params().values())
+
+    def fp32_params(self) -> frozenset[str]:
+        """Parameters kept in float32 whatever the model dtype (router weights, biases)."""
+        return frozenset()
+
+    # -- per-sequence state ---------------------------------------------------------------------
+    def state_shapes(self) -> dict[str, tuple]:
+        """Decode state per sequence: name -> shape with "B" for batch and "L" for the context length."""
+        return {}
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check(self) -> list[tuple[str, str]]:
+        """Inconsistencies as (attribute, message); empty when the spec is sound."""
+        out = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int",) and isinstance(v, int) and not isinstance(v, bool) and v < 0:
+                out.append((f.name, f"must be >= 0, got {v}"))
+        return out
+
+    def build(self) -> nn.Module:
+        raise NotImplementedError(f"op {self.kind!r} has no reference module")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def positive(spec, *names) -> list[tuple[str, str]]:
+    return [(n, f"must be > 0, got {getattr(spec, n)}") for n in names if getattr(spec, n) <= 0]
+
+
+# -- shared torch pieces -------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, weight applied in float32, cast back (Nemotron-H convention)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+def relu2(x):
+    return F.relu(x).square()
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), threading the mixer's decode state."""
+
+    def __init__(self, spec: OpSpec, norm: nn.Module | None, mixer: nn.Module | None):
+        super().__init__()
+        self.spec = spec
+        if norm is not None:
+            self.norm = norm
+        if mixer is not None:
+            self.mixer = mixer
+
+    def forward(self, x, state=None, decode: bool = False):
+        if not hasattr(self, "mixer"):
+            return x, ()
+        h = self.norm(x) if hasattr(self, "norm") else x
+        if getattr(self.mixer, "stateful", False):
+            y, state = self.mixer(h, state, decode)
+        elif getattr(self.mixer, "mode_aware", False):
+            y, state = self.mixer(h, decode), ()
+        else:
+            y, state = self.mixer(h), ()
+        return x + y, state

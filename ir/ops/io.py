@@ -1,0 +1,72 @@
+"""The ends of the trunk: token embedding, final norm, LM head (tied or not)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from .base import OpSpec, RMSNorm, positive
+
+
+@dataclass(frozen=True)
+class Embed(OpSpec):
+    kind = "embed"
+    inputs = ("ids",)
+    vocab: int
+    hidden: int
+
+    def params(self):
+        return {"weight": (self.vocab, self.hidden)}
+
+    def check(self):
+        return super().check() + positive(self, "vocab", "hidden")
+
+    def build(self):
+        return nn.Embedding(self.vocab, self.hidden)
+
+
+@dataclass(frozen=True)
+class Norm(OpSpec):
+    kind = "norm"
+    hidden: int
+    eps: float = 1e-5
+
+    def params(self):
+        return {"weight": (self.hidden,)}
+
+    def check(self):
+        return super().check() + positive(self, "hidden")
+
+    def build(self):
+        return RMSNorm(self.hidden, self.eps)
+
+
+@dataclass(frozen=True)
+class LMHead(OpSpec):
+    kind = "lm_head"
+    vocab: int
+    hidden: int
+    tied: bool = False  # reuse the embedding matrix
+
+    def params(self):
+        return {} if self.tied else {"weight": (self.vocab, self.hidden)}
+
+    def check(self):
+        return super().check() + positive(self, "vocab", "hidden")
+
+    def build(self):
+        return TiedHead() if self.tied else nn.Linear(self.hidden, self.vocab, bias=False)
+
+
+class TiedHead(nn.Module):
+    """Projects onto the vocabulary with the embedding's matrix, set by the materialiser."""
+
+    embedding: nn.Embedding
+
+    def forward(self, h):
+        return F.linear(h, self.embedding.weight)
+
+    def bind(self, embedding: nn.Embedding):
+        object.__setattr__(self, "embedding", embedding)  # a reference, not a second owner

@@ -1,0 +1,155 @@
+"""Mamba-2 mixer block: in_proj -> causal depthwise conv1d -> SSD scan with groups -> gated RMSNorm -> out_proj."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from .base import Block, OpSpec, RMSNorm, positive
+
+
+@dataclass(frozen=True)
+class Mamba2(OpSpec):
+    kind = "mamba2"
+    is_block = True
+    hidden: int
+    heads: int
+    head_dim: int
+    state: int
+    groups: int
+    conv: int = 4
+    chunk: int = 128
+    conv_bias: bool = True
+    dt_min: float = 0.0
+    eps: float = 1e-5
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.groups * self.state
+
+    def params(self):
+        p = {
+            "norm.weight": (self.hidden,),
+            "mixer.in_proj.weight": (self.inner + self.conv_dim + self.heads, self.hidden),
+            "mixer.conv1d.weight": (self.conv_dim, 1, self.conv),
+            "mixer.A_log": (self.heads,),
+            "mixer.D": (self.heads,),
+            "mixer.dt_bias": (self.heads,),
+            "mixer.norm.weight": (self.inner,),
+            "mixer.out_proj.weight": (self.hidden, self.inner),
+        }
+        if self.conv_bias:
+            p["mixer.conv1d.bias"] = (self.conv_dim,)
+        return dict(sorted(p.items()))
+
+    def state_shapes(self):
+        return {"conv": ("B", self.conv_dim, self.conv - 1), "ssm": ("B", self.heads, self.head_dim, self.state)}
+
+    def check(self):
+        out = super().check() + positive(self, "hidden", "heads", "head_dim", "state", "groups", "conv", "chunk")
+        if self.groups > 0 and self.heads % self.groups:
+            out.append(("groups", f"heads={self.heads} must be divisible by groups={self.groups}"))
+        return out
+
+    def build(self):
+        return Block(self, RMSNorm(self.hidden, self.eps), Mamba2Mixer(self))
+
+
+def _segsum(a):
+    """a [..., l] -> [..., l, l] with out[i, j] = sum(a[j+1 .. i]) for j <= i, -inf above the diagonal."""
+    l = a.shape[-1]
+    cs = torch.cumsum(a, dim=-1)
+    seg = cs[..., :, None] - cs[..., None, :]
+    mask = torch.ones(l, l, dtype=torch.bool, device=a.device).tril()
+    return seg.masked_fill(~mask, float("-inf"))
+
+
+def ssd_chunked(x, dt, A, B, C, chunk: int, init_state):
+    """Chunked state-space-duality scan.
+
+    x [b,t,h,p], dt [b,t,h] (discretisation step, already positive), A [h] (negative),
+    B, C [b,t,h,n], init_state [b,h,p,n]. Returns y [b,t,h,p] (without the D skip) and the final state.
+    The sequence is zero-padded to at least two chunks: padded steps have dt = 0, so they neither
+    decay nor update the state, and the graph has no branch on the length (export-friendly).
+    """
+    b, t, h, p = x.shape
+    n = B.shape[-1]
+    c = (t + chunk - 1) // chunk + 1
+    pad = c * chunk - t
+    x = F.pad(x * dt[..., None], (0, 0, 0, 0, 0, pad)).reshape(b, c, chunk, h, p)
+    B = F.pad(B, (0, 0, 0, 0, 0, pad)).reshape(b, c, chunk, h, n)
+    C = F.pad(C, (0, 0, 0, 0, 0, pad)).reshape(b, c, chunk, h, n)
+    a = F.pad(dt * A, (0, 0, 0, pad)).reshape(b, c, chunk, h).permute(0, 3, 1, 2)  # [b,h,c,l]
+    a_cum = torch.cumsum(a, dim=-1)
+    # within each chunk: attention-like quadratic form
+    scores = torch.einsum("bclhn,bcshn->bclsh", C, B) * torch.exp(_segsum(a)).permute(0, 2, 3, 4, 1)
+    y_diag = torch.einsum("bclsh,bcshp->bclhp", scores, x)
+    # state contributed by each chunk, then carried across chunks
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b,h,c,l]
+    chunk_states = torch.einsum("bclhn,bclhp->bchpn", B * to_end.permute(0, 2, 3, 1)[..., None], x)
+    states = torch.cat([init_state[:, None].to(chunk_states.dtype), chunk_states], dim=1)  # [b,c+1,h,p,n]
+    chunk_decay = torch.exp(_segsum(F.pad(a_cum[..., -1], (1, 0))))  # [b,h,c+1,c+1]
+    states = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)
+    prev_states, final = states[:, :-1], states[:, -1]
+    y_off = torch.einsum("bclhn,bchpn->bclhp", C, prev_states) * torch.exp(a_cum).permute(0, 2, 3, 1)[..., None]
+    y = (y_diag + y_off).reshape(b, c * chunk, h, p)[:, :t]
+    return y, final
+
+
+class Mamba2Mixer(nn.Module):
+    stateful = True
+
+    def __init__(self, spec: Mamba2):
+        super().__init__()
+        s = self.spec = spec
+        self.in_proj = nn.Linear(s.hidden, s.inner + s.conv_dim + s.heads, bias=False)
+        self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv, groups=s.conv_dim, bias=s.conv_bias)
+        self.A_log = nn.Parameter(torch.zeros(s.heads))
+        self.D = nn.Parameter(torch.ones(s.heads))
+        self.dt_bias = nn.Parameter(torch.zeros(s.heads))
+        self.norm = RMSNorm(s.inner, s.eps)
+        self.out_proj = nn.Linear(s.inner, s.hidden, bias=False)
+
+    def gated_norm(self, y, z):
+        s = self.spec
+        y = y.float() * F.silu(z.float())
+        g = y.reshape(*y.shape[:-1], s.groups, s.inner // s.groups)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + s.eps)
+        return self.norm.weight * g.reshape(y.shape).to(z.dtype)
+
+    def forward(self, u, state=None, decode: bool = False):
+        """u [b,t,hidden]; state (conv [b,conv_dim,conv-1], ssm [b,h,p,n]) or None for a fresh sequence."""
+        s = self.spec
+        b, t, _ = u.shape
+        z, xbc, dt = self.in_proj(u).split([s.inner, s.conv_dim, s.heads], dim=-1)
+        if state is None:
+            conv_state = u.new_zeros(b, s.conv_dim, s.conv - 1)
+            ssm_state = u.new_zeros(b, s.heads, s.head_dim, s.state, dtype=torch.float32)
+        else:
+            conv_state, ssm_state = state
+        window = torch.cat([conv_state, xbc.transpose(1, 2)], dim=-1)  # [b, conv_dim, conv-1+t]
+        new_conv = window[:, :, -(s.conv - 1):] if s.conv > 1 else conv_state
+        xbc = F.silu(F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)).transpose(1, 2)
+        x, B, C = xbc.split([s.inner, s.groups * s.state, s.groups * s.state], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=s.dt_min)
+        A = -torch.exp(self.A_log.float())
+        rep = s.heads // s.groups
+        x = x.reshape(b, t, s.heads, s.head_dim).float()
+        B = B.reshape(b, t, s.groups, s.state).float().repeat_interleave(rep, dim=2)
+        C = C.reshape(b, t, s.groups, s.state).float().repeat_interleave(rep, dim=2)
+        if decode:  # one token: the plain recurrence
+            x0, dt0, B0, C0 = x[:, 0], dt[:, 0], B[:, 0], C[:, 0]
+            decay = torch.exp(dt0 * A)[..., None, None]
+            ssm_state = ssm_state.float() * decay + (dt0[..., None] * x0)[..., None] * B0[:, :, None, :]
+            y = torch.einsum("bhpn,bhn->bhp", ssm_state, C0)[:, None]
+        else:
+            y, ssm_state = ssd_chunked(x, dt, A, B, C, s.chunk, ssm_state.float())
+        y = y + x * self.D.float()[:, None]
+        y = self.gated_norm(y.reshape(b, t, s.inner), z)
+        return self.out_proj(y.to(u.dtype)), (new_conv, ssm_state)

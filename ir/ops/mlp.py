@@ -1,0 +1,74 @@
+"""Dense squared-ReLU MLP block, and Puzzle's replacements: `noop` (identity) and `linear` (one dense layer)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .base import Block, OpSpec, RMSNorm, positive
+from .moe import _MLP
+
+
+@dataclass(frozen=True)
+class MLP(OpSpec):
+    kind = "mlp"
+    is_block = True
+    hidden: int
+    d_ff: int
+    eps: float = 1e-5
+
+    def params(self):
+        return {
+            "norm.weight": (self.hidden,),
+            "mixer.up_proj.weight": (self.d_ff, self.hidden),
+            "mixer.down_proj.weight": (self.hidden, self.d_ff),
+        }
+
+    def check(self):
+        return super().check() + positive(self, "hidden", "d_ff")
+
+    def build(self):
+        return Block(self, RMSNorm(self.hidden, self.eps), _MLP(self.hidden, self.d_ff))
+
+
+@dataclass(frozen=True)
+class Noop(OpSpec):
+    """The block is skipped: its output is its input."""
+
+    kind = "noop"
+    is_block = True
+    hidden: int
+
+    def check(self):
+        return super().check() + positive(self, "hidden")
+
+    def build(self):
+        return Block(self, None, None)
+
+
+@dataclass(frozen=True)
+class Linear(OpSpec):
+    """The block's mixer is replaced by one dense hidden x hidden layer (after the block's norm)."""
+
+    kind = "linear"
+    is_block = True
+    hidden: int
+    eps: float = 1e-5
+
+    def params(self):
+        return {"norm.weight": (self.hidden,), "mixer.linear.weight": (self.hidden, self.hidden)}
+
+    def check(self):
+        return super().check() + positive(self, "hidden")
+
+    def build(self):
+        return Block(self, RMSNorm(self.hidden, self.eps), _LinearMixer(self.hidden))
+
+
+class _LinearMixer(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x):
+        return self.linear(x)

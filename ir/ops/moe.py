@@ -1,0 +1,133 @@
+"""Mixture-of-experts block: sigmoid router with selection bias, top-k, squared-ReLU experts, one shared expert."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from .base import Block, OpSpec, RMSNorm, positive, relu2
+
+
+@dataclass(frozen=True)
+class MoE(OpSpec):
+    kind = "moe"
+    is_block = True
+    hidden: int
+    experts: int
+    top_k: int
+    d_ff: int
+    shared_d_ff: int
+    latent: int = 0  # 0: experts work in the hidden width
+    scaling: float = 1.0
+    norm_topk: bool = True
+    eps: float = 1e-5
+
+    @property
+    def expert_width(self) -> int:
+        return self.latent or self.hidden
+
+    def params(self):
+        w = self.expert_width
+        p = {
+            "norm.weight": (self.hidden,),
+            "mixer.gate.weight": (self.experts, self.hidden),
+            "mixer.gate.e_score_correction_bias": (self.experts,),
+        }
+        for j in range(self.experts):
+            p[f"mixer.experts.{j}.up_proj.weight"] = (self.d_ff, w)
+            p[f"mixer.experts.{j}.down_proj.weight"] = (w, self.d_ff)
+        if self.shared_d_ff:
+            p["mixer.shared_experts.up_proj.weight"] = (self.shared_d_ff, self.hidden)
+            p["mixer.shared_experts.down_proj.weight"] = (self.hidden, self.shared_d_ff)
+        if self.latent:
+            p["mixer.fc1_latent_proj.weight"] = (self.latent, self.hidden)
+            p["mixer.fc2_latent_proj.weight"] = (self.hidden, self.latent)
+        return p
+
+    def active_params(self):
+        return super().active_params() - (self.experts - self.top_k) * 2 * self.d_ff * self.expert_width
+
+    def fp32_params(self):
+        return frozenset({"mixer.gate.weight", "mixer.gate.e_score_correction_bias"})
+
+    def check(self):
+        out = super().check() + positive(self, "hidden", "experts", "top_k", "d_ff")
+        if self.top_k > self.experts:
+            out.append(("top_k", f"top_k={self.top_k} exceeds experts={self.experts}"))
+        if self.shared_d_ff < 0:
+            out.append(("shared_d_ff", f"must be >= 0, got {self.shared_d_ff}"))
+        return out
+
+    def build(self):
+        return Block(self, RMSNorm(self.hidden, self.eps), MoEMixer(self))
+
+
+class _Router(nn.Module):
+    def __init__(self, experts: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(experts, hidden))
+        self.register_buffer("e_score_correction_bias", torch.zeros(experts))
+
+
+class _MLP(nn.Module):
+    def __init__(self, width: int, d_ff: int):
+        super().__init__()
+        self.up_proj = nn.Linear(width, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, width, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(relu2(self.up_proj(x)))
+
+
+class MoEMixer(nn.Module):
+    """Routes with plain tensor ops (topk, gather, einsum): no data-dependent Python, so it exports.
+
+    Prefill evaluates every expert on every token and mixes with a dense [tokens, experts] weight
+    matrix; decode gathers only the chosen experts' weights. Both give the same result.
+    """
+
+    mode_aware = True
+
+    def __init__(self, spec: MoE):
+        super().__init__()
+        s = self.spec = spec
+        self.gate = _Router(s.experts, s.hidden)
+        self.experts = nn.ModuleList(_MLP(s.expert_width, s.d_ff) for _ in range(s.experts))
+        if s.shared_d_ff:
+            self.shared_experts = _MLP(s.hidden, s.shared_d_ff)
+        if s.latent:
+            self.fc1_latent_proj = nn.Linear(s.hidden, s.latent, bias=False)
+            self.fc2_latent_proj = nn.Linear(s.latent, s.hidden, bias=False)
+
+    def route(self, x):
+        """x [n, hidden] -> (chosen expert ids [n, k], their weights [n, k]) in float32."""
+        s = self.spec
+        scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
+        chosen = torch.topk(scores + self.gate.e_score_correction_bias.float(), s.top_k, dim=-1).indices
+        w = scores.gather(1, chosen)
+        if s.norm_topk:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return chosen, w * s.scaling
+
+    def forward(self, x, decode: bool = False):
+        s = self.spec
+        flat = x.reshape(-1, s.hidden)
+        chosen, w = self.route(flat)
+        h = self.fc1_latent_proj(flat) if s.latent else flat
+        up = torch.stack([e.up_proj.weight for e in self.experts])  # [E, d_ff, width]
+        down = torch.stack([e.down_proj.weight for e in self.experts])  # [E, width, d_ff]
+        if decode:
+            a = relu2(torch.einsum("nw,nkfw->nkf", h, up[chosen]))
+            y = torch.einsum("nkf,nkwf,nk->nw", a, down[chosen], w.to(h.dtype))
+        else:
+            mix = torch.zeros(flat.shape[0], s.experts, dtype=h.dtype, device=h.device).scatter(1, chosen, w.to(h.dtype))
+            a = relu2(torch.einsum("nw,efw->nef", h, up))
+            y = torch.einsum("nef,ewf,ne->nw", a, down, mix)
+        if s.latent:
+            y = self.fc2_latent_proj(y)
+        y = y.reshape(x.shape)
+        if s.shared_d_ff:
+            y = y + self.shared_experts(x)
+        return y

@@ -1,0 +1,104 @@
+"""Multi-token-prediction head, Nemotron style.
+
+Position t of the head fuses the trunk's hidden state at t-1 (before the final norm) with the
+embedding of token t: eh_proj(cat(enorm(embed(x_t)), hnorm(h_{t-1}))). Its own small stack of
+blocks follows (e.g. pattern `*E`), then a final RMSNorm and the trunk's LM head. So its logits at
+t predict x_{t+1} from h_{t-1} plus x_t: the token after next, seen from the hidden state used.
+The last trunk hidden state is part of the decode state; a fresh sequence starts from zeros.
+Weight names follow the published checkpoints: mtp.layers.{i}.*, with enorm/hnorm/eh_proj on the
+first layer and final_layernorm on the last.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .base import OpSpec, RMSNorm, positive
+
+
+@dataclass(frozen=True)
+class MTP(OpSpec):
+    kind = "mtp"
+    inputs = ("hidden", "ids")
+    hidden: int
+    blocks: tuple  # OpSpecs of the head's own residual blocks
+    eps: float = 1e-5
+
+    @property
+    def pattern(self) -> str:
+        from . import LETTER_OF
+
+        return "".join(LETTER_OF.get(b.kind, "?") for b in self.blocks)
+
+    def params(self):
+        h, last = self.hidden, len(self.blocks) - 1
+        p = {
+            "layers.0.enorm.weight": (h,),
+            "layers.0.hnorm.weight": (h,),
+            "layers.0.eh_proj.weight": (h, 2 * h),
+            f"layers.{last}.final_layernorm.weight": (h,),
+        }
+        for i, b in enumerate(self.blocks):
+            p.update({f"layers.{i}.{k}": v for k, v in b.params().items()})
+        return p
+
+    def active_params(self):
+        fused = 4 * self.hidden + 2 * self.hidden * self.hidden
+        return fused + sum(b.active_params() for b in self.blocks)
+
+    def fp32_params(self):
+        return frozenset(f"layers.{i}.{n}" for i, b in enumerate(self.blocks) for n in b.fp32_params())
+
+    def state_shapes(self):
+        s = {"h": ("B", self.hidden)}
+        for i, b in enumerate(self.blocks):
+            s.update({f"layers.{i}.{k}": v for k, v in b.state_shapes().items()})
+        return s
+
+    def check(self):
+        out = positive(self, "hidden")
+        if not self.blocks:
+            out.append(("blocks", "the MTP head needs at least one block"))
+        for i, b in enumerate(self.blocks):
+            if not getattr(b, "is_block", False):
+                out.append((f"blocks[{i}]", f"{b.kind!r} is not a residual block"))
+                continue
+            if b.hidden != self.hidden:
+                out.append((f"blocks[{i}].hidden", f"{b.hidden} differs from the head's hidden {self.hidden}"))
+            out += [(f"blocks[{i}].{a}", m) for a, m in b.check()]
+        return out
+
+    def build(self):
+        return MTPHead(self)
+
+
+class MTPHead(nn.Module):
+    def __init__(self, spec: MTP):
+        super().__init__()
+        self.spec = spec
+        self.layers = nn.ModuleList(b.build() for b in spec.blocks)
+        first, last = self.layers[0], self.layers[-1]
+        first.enorm = RMSNorm(spec.hidden, spec.eps)
+        first.hnorm = RMSNorm(spec.hidden, spec.eps)
+        first.eh_proj = nn.Linear(2 * spec.hidden, spec.hidden, bias=False)
+        last.final_layernorm = RMSNorm(spec.hidden, spec.eps)
+
+    def forward(self, h, emb, state=None, decode: bool = False):
+        """h: trunk hidden [b,t,hidden] before the final norm; emb: embedded tokens [b,t,hidden].
+
+        state: (last trunk hidden [b,hidden], *per-block states flattened) or None.
+        Returns the head's normalised hidden [b,t,hidden] and the new state.
+        """
+        first = self.layers[0]
+        prev = h.new_zeros(h.shape[0], 1, h.shape[2]) if state is None else state[0][:, None]
+        shifted = torch.cat([prev, h[:, :-1]], dim=1)
+        z = first.eh_proj(torch.cat([first.enorm(emb), first.hnorm(shifted)], dim=-1))
+        new_state, i = [h[:, -1]], 1
+        for layer in self.layers:
+            n = len(layer.spec.state_shapes())
+            z, st = layer(z, None if state is None else tuple(state[i:i + n]), decode)
+            new_state += list(st)
+            i += n
+        return self.layers[-1].final_layernorm(z), tuple(new_state)

@@ -1,0 +1,102 @@
+"""WeightStore: named tensors that are eager (in memory), lazy (read from safetensors on use) or meta (shape only)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import CheckpointError
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True)
+class _Lazy:
+    file: Path
+    key: str
+    shape: tuple
+    dtype: torch.dtype
+
+
+class WeightStore:
+    """Tensors by their stable (Hugging Face) name. Lazy entries are read, memory-mapped, on first use."""
+
+    def __init__(self):
+        self._entries: dict[str, torch.Tensor | _Lazy] = {}
+        self._handles: dict[Path, object] = {}
+
+    # -- building ---------------------------------------------------------------------------------
+    def set(self, name: str, tensor: torch.Tensor) -> None:
+        self._entries[name] = tensor.detach()
+
+    def set_meta(self, name: str, shape, dtype=torch.bfloat16) -> None:
+        self._entries[name] = torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+    def add_safetensors(self, file: Path) -> list[str]:
+        """Registers every tensor of a safetensors file lazily; returns their names."""
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as e:  # safetensors raises its own types for truncated or bad headers
+            raise CheckpointError(f"{file}: not a readable safetensors file ({e}); re-save it or re-download it") from None
+        self._handles[Path(file)] = handle
+        names = list(handle.keys())
+        for k in names:
+            sl = handle.get_slice(k)
+            dtype = _DTYPES.get(sl.get_dtype())
+            if dtype is None:
+                raise CheckpointError(f"{file}: tensor {k!r} has unsupported dtype {sl.get_dtype()}")
+            self._entries[k] = _Lazy(Path(file), k, tuple(sl.get_shape()), dtype)
+        return names
+
+    def delete(self, name: str) -> None:
+        del self._entries[name]
+
+    def copy(self) -> "WeightStore":
+        """A shallow copy: tensors are shared (treat them as immutable), the name table is not."""
+        w = WeightStore()
+        w._entries = dict(self._entries)
+        w._handles = self._handles
+        return w
+
+    # -- reading ----------------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple:
+        e = self._entries[name]
+        return e.shape if isinstance(e, _Lazy) else tuple(e.shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entries[name].dtype
+
+    def is_meta(self, name: str) -> bool:
+        e = self._entries[name]
+        return not isinstance(e, _Lazy) and e.is_meta
+
+    def source(self, name: str) -> Path | None:
+        e = self._entries[name]
+        return e.file if isinstance(e, _Lazy) else None
+
+    def get(self, name: str) -> torch.Tensor:
+        e = self._entries[name]
+        if isinstance(e, _Lazy):
+            return self._handles[e.file].get_tensor(e.key)
+        return e
+
+    def nbytes(self, name: str) -> int:
+        n = 1
+        for s in self.shape(name):
+            n *= s
+        return n * self.dtype(name).itemsize
