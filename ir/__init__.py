@@ -8,15 +8,15 @@ from .weights import WeightStore
 
 
 def trace(module, example_inputs, check: bool = True, **kw) -> Program:
-    """Traces a torch module into a Program via torch.export (see ir.trace)."""
-    from .trace import trace as _trace
+    """Traces a torch module into a Program via torch.export (see ir.tracing)."""
+    from .tracing import trace as _trace
 
     return _trace(module, example_inputs, check=check, **kw)
 
 
 def register_module(cls, converter=None):
-    """Maps a module class to an op for tracing (see ir.trace.register_module)."""
-    from .trace import register_module as _reg
+    """Maps a module class to an op for tracing (see ir.tracing.register_module)."""
+    from .tracing import register_module as _reg
 
     return _reg(cls, converter)
 

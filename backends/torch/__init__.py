@@ -34,41 +34,32 @@ class ProgramModule(nn.Module):
         super().__init__()
         self.program = prog
         self._nodes = []
-        embeds = []
         for n in prog.nodes:
             with torch.device(device):
                 m = n.op.build()
             _place(self, n.path, m)
             self._nodes.append((n, m))
-            if n.op.kind == "embed":
-                embeds.append(m)
+        by_kind = {n.op.kind: m for n, m in self._nodes}
         for n, m in self._nodes:
             if isinstance(m, TiedHead):
-                m.bind(embeds[0])
+                m.bind(by_kind["embed"])
+            if n.op.kind == "mtp":
+                m.bind(by_kind["embed"], by_kind["lm_head"])
         self.state_names = [f"{n.path}.{k}" for n, _ in self._nodes for k in n.op.state_shapes()]
 
     def _run(self, ids, state, decode):
         env = {self.program.inputs[0]: ids}
         new_state, i = [], 0
-        embed = head = None
         for n, m in self._nodes:
             args = [env[a] for a in n.args]
-            k = n.op.kind
-            if n.op.is_block:
+            if n.op.is_block or n.op.kind == "mtp":
                 cnt = len(n.op.state_shapes())
-                out, st = m(args[0], None if state is None or not cnt else tuple(state[i:i + cnt]), decode)
+                past = None if state is None or not cnt else tuple(state[i:i + cnt])
+                out, st = m(*args, past, decode)
                 new_state += list(st)
                 i += cnt
-            elif k == "mtp":
-                cnt = len(n.op.state_shapes())
-                z, st = m(args[0], embed(args[1]), None if state is None else tuple(state[i:i + cnt]), decode)
-                new_state += list(st)
-                i += cnt
-                out = head(z)
             else:
                 out = m(*args)
-                embed = m if k == "embed" else embed
-                head = m if k == "lm_head" else head
             env[n.name] = out
         return tuple(env[o] for o in self.program.outputs), tuple(new_state)
 

@@ -85,12 +85,18 @@ class MTPHead(nn.Module):
         first.eh_proj = nn.Linear(2 * spec.hidden, spec.hidden, bias=False)
         last.final_layernorm = RMSNorm(spec.hidden, spec.eps)
 
-    def forward(self, h, emb, state=None, decode: bool = False):
-        """h: trunk hidden [b,t,hidden] before the final norm; emb: embedded tokens [b,t,hidden].
+    def bind(self, embed: nn.Module, head: nn.Module):
+        """The trunk's embedding and LM head, held by reference (they stay owned by the trunk)."""
+        object.__setattr__(self, "shared", (embed, head))
+
+    def forward(self, h, ids, state=None, decode: bool = False):
+        """h: trunk hidden [b,t,hidden] before the final norm; ids: the tokens [b,t].
 
         state: (last trunk hidden [b,hidden], *per-block states flattened) or None.
-        Returns the head's normalised hidden [b,t,hidden] and the new state.
+        Returns logits [b,t,vocab] and the new state.
         """
+        embed, head = self.shared
+        emb = embed(ids)
         first = self.layers[0]
         prev = h.new_zeros(h.shape[0], 1, h.shape[2]) if state is None else state[0][:, None]
         shifted = torch.cat([prev, h[:, :-1]], dim=1)
@@ -101,4 +107,4 @@ class MTPHead(nn.Module):
             z, st = layer(z, None if state is None else tuple(state[i:i + n]), decode)
             new_state += list(st)
             i += n
-        return self.layers[-1].final_layernorm(z), tuple(new_state)
+        return head(self.layers[-1].final_layernorm(z)), tuple(new_state)
