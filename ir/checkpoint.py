@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -233,7 +232,15 @@ def _atomic_dir(path: Path, overwrite: bool, inputs: set[Path]):
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise CheckpointError(f"{path} already exists and is not empty; pass overwrite=True or pick a new path")
     path.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; an output directory should not be
+    return tmp
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> Path:
@@ -271,6 +278,8 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
                 index = {"metadata": {"total_size": sum(w.nbytes(k) for k in names)},
                          "weight_map": {k: fname(i) for i, s in enumerate(shards) for k in s}}
                 (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        for f in tmp.iterdir():
+            f.chmod(0o666 & ~_umask())
         if path.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
             os.replace(path, trash / "old")
