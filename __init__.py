@@ -3,4 +3,4 @@ from . import ir
 from .errors import CheckpointError, PuzzlekitError, RewriteError, TraceError, VerifyError
 
 __version__ = "0.1.0"
-__all__ = ["ir", "PuzzlekitError", "CheckpointError", "VerifyError", "RewriteError", "TraceError"]
+__all__ = ["CheckpointError", "PuzzlekitError", "RewriteError", "TraceError", "VerifyError", "ir"]

@@ -21,5 +21,19 @@ def register_module(cls, converter=None):
     return _reg(cls, converter)
 
 
-__all__ = ["Program", "Node", "OpSpec", "OPS", "WeightStore", "load", "save", "assemble", "trace",
-           "register_module", "verify", "problems", "print_program", "format_params"]
+__all__ = [
+    "OPS",
+    "Node",
+    "OpSpec",
+    "Program",
+    "WeightStore",
+    "assemble",
+    "format_params",
+    "load",
+    "print_program",
+    "problems",
+    "register_module",
+    "save",
+    "trace",
+    "verify",
+]

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
-from .ops import LETTERS, OPS, MTP, Attention, Embed, LMHead, Mamba2, MLP, MoE, Norm, OpSpec
+from .ops import MLP, MTP, OPS, Attention, Embed, LMHead, Mamba2, MoE, Norm, OpSpec
 from .program import Node, Program
 from .verifier import problems
 from .weights import WeightStore
@@ -47,7 +47,7 @@ def _need(cfg: dict, key: str, src: Path):
 
 
 def _uniform_spec(kind: str, cfg: dict, src: Path) -> OpSpec:
-    g = lambda k: _need(cfg, k, src)  # noqa: E731
+    g = lambda k: _need(cfg, k, src)
     hidden, eps = g("hidden_size"), cfg.get("layer_norm_epsilon", 1e-5)
     if kind == "mamba2":
         return Mamba2(hidden, g("mamba_num_heads"), g("mamba_head_dim"), g("ssm_state_size"), g("n_groups"),

@@ -1,6 +1,7 @@
 """Program: an SSA graph of block-level nodes plus the WeightStore holding their tensors."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -55,7 +56,7 @@ class Program:
     def is_meta(self) -> bool:
         return any(self.weights.is_meta(n) for n in self.weights.names())
 
-    def copy(self) -> "Program":
+    def copy(self) -> Program:
         """An independent Program; tensors are shared (treated as immutable)."""
         return Program(list(self.nodes), self.weights.copy(), self.inputs, self.outputs, dict(self.meta))
 
@@ -77,7 +78,6 @@ class Program:
         if extra:
             raise RewriteError(f"{old.path} ({new.op.kind}): weights {extra} are not parameters of the new spec")
         for local, shape in new_shapes.items():
-            full = f"{new.path}.{local}"
             if local in given:
                 if tuple(given[local].shape) != tuple(shape):
                     raise RewriteError(f"{old.path}: weight {local!r} has shape {list(given[local].shape)}, "
@@ -99,7 +99,7 @@ class Program:
         total = active = mtp_total = mtp_active = 0
         by_kind: dict[str, dict] = {}
         for n in self.nodes:
-            t = sum(_numel(s) for s in n.op.params().values())
+            t = sum(math.prod(s) for s in n.op.params().values())
             a = n.op.active_params()
             if n.op.kind == "mtp":
                 mtp_total, mtp_active = mtp_total + t, mtp_active + a
@@ -111,10 +111,3 @@ class Program:
             k["active"] += a
         return {"total": total, "active": active, "mtp_total": mtp_total, "mtp_active": mtp_active,
                 "by_kind": by_kind}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-import torch.fx as fx
-from torch import nn
+from torch import fx, nn
 
 from ..errors import TraceError
-from .ops import Embed, LMHead, Norm, OpSpec, Opaque
+from .ops import Embed, LMHead, Norm, Opaque, OpSpec
 from .ops.base import Block, RMSNorm
 from .ops.mtp import MTPHead
 from .program import Node, Program
@@ -264,7 +263,7 @@ def _build(gm: fx.GraphModule, found: dict[str, Converted], root: nn.Module) -> 
         value_of[p] = nm
     weights, nodes = WeightStore(), []
     renames = ROOT_RENAMES.get(type(root).__name__, [])
-    canon = lambda p: _rename(p, renames)  # noqa: E731
+    canon = lambda p: _rename(p, renames)
     counter = {"n": 0}
 
     def fresh():
@@ -417,7 +416,7 @@ def _simplify(prog: Program) -> Program:
             rename[n.name] = {"norm": "h", "lm_head": "logits", "mtp": "mtp_logits"}[k]
     if len(set(rename.values())) != len(rename):
         rename = {}
-    r = lambda v: rename.get(v, v)  # noqa: E731
+    r = lambda v: rename.get(v, v)
     nodes = [Node(r(n.name), n.op, tuple(r(a) for a in n.args), n.path) for n in kept]
     return Program(nodes, prog.weights, prog.inputs, tuple(r(o) for o in outputs), prog.meta)
 

@@ -1,6 +1,7 @@
 """WeightStore: named tensors that are eager (in memory), lazy (read from safetensors on use) or meta (shape only)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,7 @@ class WeightStore:
     def delete(self, name: str) -> None:
         del self._entries[name]
 
-    def copy(self) -> "WeightStore":
+    def copy(self) -> WeightStore:
         """A shallow copy: tensors are shared (treat them as immutable), the name table is not."""
         w = WeightStore()
         w._entries = dict(self._entries)
@@ -96,7 +97,4 @@ class WeightStore:
         return e
 
     def nbytes(self, name: str) -> int:
-        n = 1
-        for s in self.shape(name):
-            n *= s
-        return n * self.dtype(name).itemsize
+        return math.prod(self.shape(name)) * self.dtype(name).itemsize

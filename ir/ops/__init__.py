@@ -1,6 +1,6 @@
 """The block vocabulary. Each op kind lives in one module; adding one is a new file plus a line here."""
-from .base import Block, OpSpec, RMSNorm
 from .attention import Attention
+from .base import Block, OpSpec, RMSNorm
 from .io import Embed, LMHead, Norm
 from .mamba2 import Mamba2
 from .mlp import MLP, Linear, Noop
@@ -15,5 +15,22 @@ OPS: dict[str, type[OpSpec]] = {
 LETTERS: dict[str, type[OpSpec]] = {"M": Mamba2, "E": MoE, "*": Attention, "-": MLP}
 LETTER_OF = {c.kind: k for k, c in LETTERS.items()}
 
-__all__ = ["OPS", "LETTERS", "LETTER_OF", "OpSpec", "Block", "RMSNorm", "Embed", "Norm", "LMHead",
-           "Mamba2", "MoE", "Attention", "MLP", "Noop", "Linear", "MTP", "Opaque"]
+__all__ = [
+    "LETTERS",
+    "LETTER_OF",
+    "MLP",
+    "MTP",
+    "OPS",
+    "Attention",
+    "Block",
+    "Embed",
+    "LMHead",
+    "Linear",
+    "Mamba2",
+    "MoE",
+    "Noop",
+    "Norm",
+    "OpSpec",
+    "Opaque",
+    "RMSNorm",
+]

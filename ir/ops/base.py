@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class OpSpec:
     #: True for residual blocks (one per layer, named backbone.layers.{i})
     is_block: ClassVar[bool] = False
 
-    def replace(self, **changes) -> "OpSpec":
+    def replace(self, **changes) -> OpSpec:
         return dataclasses.replace(self, **changes)
 
     def attrs(self) -> dict:
@@ -33,7 +34,7 @@ class OpSpec:
 
     def active_params(self) -> int:
         """Parameters touched per token (differs from the total only for routed experts)."""
-        return sum(_numel(s) for s in self.params().values())
+        return sum(math.prod(s) for s in self.params().values())
 
     def fp32_params(self) -> frozenset[str]:
         """Parameters kept in float32 whatever the model dtype (router weights, biases)."""
@@ -56,13 +57,6 @@ class OpSpec:
 
     def build(self) -> nn.Module:
         raise NotImplementedError(f"op {self.kind!r} has no reference module")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def positive(spec, *names) -> list[tuple[str, str]]:

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from .base import OpSpec, RMSNorm, positive
 

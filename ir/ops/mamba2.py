@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from .base import Block, OpSpec, RMSNorm, positive
 

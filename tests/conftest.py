@@ -1,0 +1,60 @@
+"""Shared helpers for the IR tests (checkpoint, verifier, printer, rewrite).
+
+`small_program` builds a tiny program that covers every block kind: mamba2 (chunk=4), moe with a
+latent projection, moe without, attention, mlp, noop, linear, plus an MTP head with pattern "*E".
+Hidden 32, vocabulary 64, random weights with std 0.3.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from puzzlekit import ir
+from puzzlekit.ir.ops import MLP, MTP, Attention, Embed, Linear, LMHead, Mamba2, MoE, Noop, Norm
+
+HIDDEN = 32
+VOCAB = 64
+
+
+def build_small_program(weights: bool = True, seed: int = 0, dtype: torch.dtype = torch.float32) -> ir.Program:
+    """A fresh small program; `weights=False` leaves the store empty (enough for printing)."""
+    h = HIDDEN
+    blocks = [
+        Mamba2(h, heads=4, head_dim=16, state=8, groups=2, chunk=4),
+        MoE(h, experts=4, top_k=2, d_ff=16, shared_d_ff=24, latent=16),
+        MoE(h, experts=4, top_k=2, d_ff=16, shared_d_ff=24),
+        Attention(h, q_heads=4, kv_heads=2, head_dim=8),
+        MLP(h, d_ff=48),
+        Noop(h),
+        Linear(h),
+    ]
+    mtp = MTP(h, (Attention(h, 4, 2, 8), MoE(h, 4, 2, 16, 24)))
+    prog = ir.assemble(Embed(VOCAB, h), blocks, Norm(h), LMHead(VOCAB, h), mtp=mtp)
+    if weights:
+        from puzzlekit.backends.torch import random_weights
+
+        random_weights(prog, seed=seed, dtype=dtype, std=0.3)
+    return prog
+
+
+@pytest.fixture
+def small_program() -> ir.Program:
+    """A fresh small program with random weights (float32, std 0.3, seed 0)."""
+    return build_small_program()
+
+
+@pytest.fixture
+def make_small_program():
+    """The builder itself, for tests that need several programs or one without weights."""
+    return build_small_program
+
+
+def example_ids(batch: int = 2, length: int = 11, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, length), generator=g)
+
+
+@pytest.fixture
+def ids() -> torch.Tensor:
+    """Token ids [2, 11] (11 is not a multiple of the Mamba chunk 4)."""
+    return example_ids()
