@@ -223,6 +223,7 @@ def config_of(prog: Program) -> dict:
         "num_nextn_predict_layers": len(mtp),
         "block_configs": [_spec_to_dict(b.op) for b in prog.blocks()],
         "mtp": _spec_to_dict(mtp[0].op) if mtp else None,
+        **({"provenance": prog.meta["provenance"]} if prog.meta.get("provenance") else {}),
     }
 
 

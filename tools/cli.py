@@ -1,45 +1,170 @@
-"""The `puzzlekit` command line. Exit codes: 0 success, 1 failure, 2 usage error."""
+"""The `puzzlekit` command line. Exit codes: 0 success, 1 failure, 2 usage error; messages go to stderr."""
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib
 import json
+import platform
 import sys
+from pathlib import Path
 
 from ..errors import PuzzlekitError
 
 
-def _inspect(args) -> int:
+class UsageError(PuzzlekitError):
+    """The command line itself is wrong (exit code 2)."""
+
+
+def _emit(args, data: dict, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text, end="" if not args.json and text.endswith("\n") else "\n")
+
+
+def _load_plugins(modules: list[str]) -> None:
+    for m in modules or []:
+        try:
+            importlib.import_module(m)
+        except ImportError as e:
+            raise UsageError(f"cannot import plugin {m!r}: {e}; is it on PYTHONPATH?") from None
+
+
+def _model(args):
     from .. import ir
     from .default_model import model_path
 
-    prog = ir.verify(ir.load(model_path(args.model), check_finite=args.check_finite), check_finite=args.check_finite)
-    if args.json:
-        counts = prog.param_counts()
-        print(json.dumps({"model": str(model_path(args.model)), "ir": ir.print_program(prog),
-                          "params_total": counts["total"], "params_active": counts["active"],
-                          "mtp_params_total": counts["mtp_total"], "mtp_params_active": counts["mtp_active"],
-                          "by_kind": counts["by_kind"]}, indent=2))
-    else:
-        print(ir.print_program(prog))
-        print(ir.format_params(prog), end="")
+    return ir.load(model_path(args.model), check_finite=getattr(args, "check_finite", False))
+
+
+# -- commands ----------------------------------------------------------------------------------------------
+def _inspect(args) -> int:
+    from .. import ir
+
+    prog = ir.verify(_model(args), check_finite=args.check_finite)
+    c = prog.param_counts()
+    _emit(args, {"model": prog.meta["source"], "ir": ir.print_program(prog), "params_total": c["total"],
+                 "params_active": c["active"], "mtp_params_total": c["mtp_total"],
+                 "mtp_params_active": c["mtp_active"], "by_kind": c["by_kind"]},
+          ir.print_program(prog) + "\n" + ir.format_params(prog))
     return 0
 
 
+def _passes(args) -> int:
+    from ..passes import PASSES
+    from ..passes.pipeline import describe_options
+
+    _load_plugins(args.plugin)
+    rows = [{"name": n, "doc": c.doc(), "nested": c.nested, "options": describe_options(c), "module": c.__module__}
+            for n, c in sorted(PASSES.items())]
+    lines = []
+    for r in rows:
+        opts = ", ".join(f"{o['name']}: {o['type']}" + ("" if o["required"] else f" = {o['default']}")
+                         for o in r["options"])
+        lines.append(f"{r['name']}{{{opts}}}{'(...)' if r['nested'] else ''}\n    {r['doc']}")
+    _emit(args, {"passes": rows}, "\n".join(lines) + "\n")
+    return 0
+
+
+def _file_hashes(src: Path) -> dict[str, str]:
+    files = sorted(p for p in (src.iterdir() if src.is_dir() else [src]) if p.is_file())
+    out = {}
+    for f in files:
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        out[f.name] = h.hexdigest()
+    return out
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("puzzlekit", "torch", "safetensors", "onnx", "onnxruntime"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _run(args) -> int:
+    from .. import ir
+    from ..passes import Instrumentation, PassManager, parse_pipeline, print_pipeline, resolve_pipeline
+    from ..passes.pipeline import PipelineSyntaxError
+    from .default_model import model_path
+
+    _load_plugins(args.plugin)
+    try:
+        passes = parse_pipeline(resolve_pipeline(args.pipeline))
+    except PipelineSyntaxError as e:
+        raise UsageError(str(e)) from None
+    src, out = model_path(args.model).resolve(), Path(args.output).resolve()
+    if out == src or src.is_relative_to(out) or (src.is_dir() and out.is_relative_to(src)):
+        raise UsageError(f"output {out} would overwrite or sit inside the input {src}; choose another -o")
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise UsageError(f"output {out} exists; pass --overwrite to replace it")
+    prog = _model(args)
+    ins = Instrumentation(verify_each=args.verify_each, print_ir_after=args.print_ir_after,
+                          progress=not args.json and sys.stderr.isatty())
+    before = prog.param_counts()
+    pm = PassManager(passes, ins)
+    pm.run(prog)
+    prog.meta["provenance"] = {
+        "pipeline": print_pipeline(passes), "versions": _versions(),
+        "input": {"path": str(src), "sha256": _file_hashes(src)},
+        "input_provenance": prog.meta.get("config", {}).get("provenance"),
+    }
+    ir.save(prog, out, overwrite=args.overwrite)
+    after = prog.param_counts()
+    text = "".join(f"{t * 1000:9.1f} ms  {name}\n" for name, t in ins.timings)
+    text += f"params {before['total']:,} -> {after['total']:,} (active {before['active']:,} -> {after['active']:,})\n"
+    text += f"wrote {out}\n"
+    _emit(args, {"output": str(out), "pipeline": print_pipeline(passes),
+                 "timings": [{"pass": n, "seconds": t} for n, t in ins.timings],
+                 "params_before": before["total"], "params_after": after["total"],
+                 "params_active_before": before["active"], "params_active_after": after["active"]}, text)
+    return 0
+
+
+# -- wiring --------------------------------------------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="puzzlekit", description="A compiler for hybrid Mamba/MoE/attention LMs.")
     sub = p.add_subparsers(dest="command", required=True)
+    model_help = "checkpoint directory or config.json (default: the built-in model)"
+
     i = sub.add_parser("inspect", help="verify a model and print its IR and parameter table")
-    i.add_argument("model", nargs="?", help="checkpoint directory or config.json (default: the built-in model)")
-    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("model", nargs="?", help=model_help)
     i.add_argument("--check-finite", action="store_true", help="also reject NaN/inf weights (reads every tensor)")
     i.set_defaults(run=_inspect)
+
+    s = sub.add_parser("passes", help="list every registered pass with its options")
+    s.set_defaults(run=_passes)
+
+    r = sub.add_parser("run", help="run a pass pipeline and write the resulting checkpoint")
+    r.add_argument("model", nargs="?", help=model_help)
+    r.add_argument("--pipeline", "-p", required=True, help="pipeline text, a .pipeline file, or a named pipeline")
+    r.add_argument("--output", "-o", required=True, help="output checkpoint directory")
+    r.add_argument("--verify-each", action="store_true", help="run the verifier after every pass")
+    r.add_argument("--print-ir-after", action="store_true", help="print the IR after every pass (stderr)")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    r.set_defaults(run=_run)
+
+    for cmd in (s, r):
+        cmd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                         help="import MODULE first (it may register passes); repeatable")
+    for cmd in (i, s, r):
+        cmd.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)  # usage errors exit with 2
+    args = parser().parse_args(argv)  # argparse exits with 2 on usage errors
     try:
         return args.run(args)
+    except UsageError as e:
+        print(f"puzzlekit {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except PuzzlekitError as e:
         print(f"puzzlekit {args.command}: error: {e}", file=sys.stderr)
         return 1

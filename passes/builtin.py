@@ -1,0 +1,104 @@
+"""Built-in passes and analyses."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir import Program, print_program, verify
+from ..ir.ops import Noop
+from .core import AnalysisManager, Pass, PassError, Preserved, analysis, register
+
+
+@analysis("param-counts", depends=("structure",))
+def param_counts(prog: Program, am: AnalysisManager) -> dict:
+    """Total and active parameters, per block kind (see Program.param_counts)."""
+    return prog.param_counts()
+
+
+@register("verify")
+class Verify(Pass):
+    """Check every invariant of the program; fail with the list of problems."""
+
+    check_finite: bool = False
+
+    def run(self, prog, am):
+        verify(prog, check_finite=self.check_finite)
+        return Preserved.all()
+
+
+@register("print-ir")
+class PrintIR(Pass):
+    """Print the program's text form (to stderr)."""
+
+    def run(self, prog, am):
+        import sys
+
+        print(print_program(prog), file=sys.stderr)
+        return Preserved.all()
+
+
+@register("snapshot")
+class Snapshot(Pass):
+    """Keep a frozen copy of the program under `name` (e.g. the teacher) for later passes."""
+
+    name: str = "teacher"
+
+    def run(self, prog, am):
+        am.snapshots[self.name] = prog.copy()
+        return Preserved.all()
+
+
+def _layers(prog: Program, layers: list[int], kind: str | None, who: str) -> list:
+    blocks = prog.blocks()
+    bad = [i for i in layers if not 0 <= i < len(blocks)]
+    if bad:
+        raise PassError(f"{who}: layers {bad} out of range; the program has {len(blocks)} layers (0..{len(blocks) - 1})")
+    chosen = [blocks[i] for i in layers] if layers else prog.blocks(kind)
+    if kind:
+        wrong = [n.path for n in chosen if n.op.kind != kind]
+        if wrong:
+            raise PassError(f"{who}: {wrong} are not {kind} blocks")
+    return chosen
+
+
+@register("set-topk")
+class SetTopK(Pass):
+    """Route every token of the chosen MoE layers (default: all) to `k` experts."""
+
+    k: int
+    layers: list[int] = field(default_factory=list)
+
+    def run(self, prog, am):
+        changed = False
+        for n in _layers(prog, self.layers, "moe", "set-topk"):
+            if not 1 <= self.k <= n.op.experts:
+                raise PassError(f"set-topk: k={self.k} must be in 1..{n.op.experts} (experts of {n.path})")
+            if n.op.top_k != self.k:
+                prog.rewrite(n, op=n.op.replace(top_k=self.k))
+                changed = True
+        return Preserved.weights_only() if changed else Preserved.all()
+
+
+@register("drop-blocks")
+class DropBlocks(Pass):
+    """Replace the chosen layers by `noop` blocks (their weights are dropped)."""
+
+    layers: list[int]
+
+    def run(self, prog, am):
+        for n in _layers(prog, self.layers, None, "drop-blocks"):
+            prog.rewrite(n, op=Noop(n.op.hidden))
+        return Preserved.none() if self.layers else Preserved.all()
+
+
+@register("repeat")
+class Repeat(Pass):
+    """Run the nested pipeline `n` times: repeat{n=3}(a,b)."""
+
+    nested = True
+    n: int = 1
+    body: list = field(default_factory=list)
+
+    def run(self, prog, am):
+        for _ in range(self.n):
+            am.manager.run_nested(self.body, prog, am)
+        return Preserved.all()  # the nested passes already invalidated what they changed

@@ -1,0 +1,73 @@
+"""The PassManager: runs a pipeline with verification, timing, IR printing and progress reporting."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from ..errors import PuzzlekitError
+from ..ir import Program, print_program, verify
+from .core import AnalysisManager, Pass, PassError, Preserved
+from .pipeline import parse_pipeline, print_pipeline
+
+
+@dataclass
+class Instrumentation:
+    """What the manager does around each pass."""
+
+    verify_each: bool = False
+    print_ir_after: bool = False
+    progress: bool = False  # show progress bars for long passes (see `progress`)
+    out: object = None  # where IR dumps go (default: stderr)
+    timings: list[tuple[str, float]] = field(default_factory=list)
+
+
+class PassManager:
+    """Runs passes in order over one Program, sharing an AnalysisManager between them."""
+
+    def __init__(self, passes: list[Pass] | str, instrument: Instrumentation | None = None):
+        self.passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
+        self.instrument = instrument or Instrumentation()
+
+    @property
+    def pipeline(self) -> str:
+        return print_pipeline(self.passes)
+
+    def run(self, prog: Program, am: AnalysisManager | None = None) -> AnalysisManager:
+        am = am or AnalysisManager(prog)
+        am.instrument, am.manager = self.instrument, self
+        self._run_list(self.passes, prog, am, [])
+        return am
+
+    def _run_list(self, passes: list[Pass], prog: Program, am: AnalysisManager, ran: list[str]) -> None:
+        ins = self.instrument
+        for p in passes:
+            label = print_pipeline([p])
+            start = time.perf_counter()
+            try:
+                preserved = p.run(prog, am)
+                if not isinstance(preserved, Preserved):
+                    raise PassError(f"returned {type(preserved).__name__}, not Preserved")
+                am.invalidate(preserved)
+                if ins.verify_each:
+                    verify(prog)
+            except PuzzlekitError as e:
+                raise PassError(f"pass {label} failed: {e}\n  passes run before it: {', '.join(ran) or 'none'}") from e
+            except Exception as e:  # a bug in a pass: still say which pass, keep the traceback chained
+                raise PassError(f"pass {label} failed with {type(e).__name__}: {e}\n"
+                                f"  passes run before it: {', '.join(ran) or 'none'}") from e
+            ins.timings.append((label, time.perf_counter() - start))
+            ran.append(label)
+            if ins.print_ir_after:
+                print(f"// IR after {label}\n{print_program(prog)}", file=ins.out or sys.stderr)
+
+    def run_nested(self, body: list[Pass], prog: Program, am: AnalysisManager) -> None:
+        self._run_list(body, prog, am, [])
+
+
+def progress(iterable, am: AnalysisManager, desc: str, total: int | None = None):
+    """Wraps a long loop of a pass in a progress bar when the instrumentation asks for one."""
+    ins = getattr(am, "instrument", None)
+    return tqdm(iterable, desc=desc, total=total, disable=not (ins and ins.progress), leave=False)

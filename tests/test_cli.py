@@ -1,0 +1,115 @@
+"""The `puzzlekit` command: inspect, passes, run, plugins, exit codes."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from puzzlekit import ir
+from puzzlekit.tools.cli import main
+from puzzlekit.tools.default_model import DEFAULT_MODEL
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, env=None):
+    r = subprocess.run([sys.executable, "-m", "puzzlekit.tools", *args], capture_output=True, text=True,
+                       env={**os.environ, **(env or {})}, timeout=300)
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_inspect_default_model_json(capsys):
+    assert main(["inspect", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    prog = ir.load(DEFAULT_MODEL)
+    assert out["ir"] == ir.print_program(prog)
+    assert out["params_total"] == prog.param_counts()["total"] and out["mtp_params_total"] > 0
+    assert set(out["by_kind"]) >= {"mamba2", "moe", "attention", "mlp"}
+
+
+def test_inspect_meta_config(capsys):
+    cfg = ROOT.parent / "shared" / "configs" / "nemotron-3-super-120b-a12b.config.json"
+    if not cfg.exists():
+        pytest.skip("shared configs not present")
+    assert main(["inspect", str(cfg)]) == 0
+    assert re.search(r"trunk\s+120\.6\dB\s+12\.7\dB", capsys.readouterr().out)
+
+
+def test_run_drop_blocks_then_inspect(tmp_path, capsys):
+    out = tmp_path / "pruned"
+    assert main(["run", "--pipeline", "verify,drop-blocks{layers=[2]}", "-o", str(out), "--verify-each"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert "%x3 = noop(%x2) {hidden=128}  # backbone.layers.2" in info["ir"]
+    cfg = json.loads((out / "config.json").read_text())
+    prov = cfg["provenance"]
+    assert prov["pipeline"] == "verify,drop-blocks{layers=[2]}"
+    assert {"torch", "python", "puzzlekit"} <= set(prov["versions"])
+    assert len(prov["input"]["sha256"]["model.safetensors"]) == 64
+
+
+def test_output_rules(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["run", "-p", "verify", "-o", str(out)]) == 0
+    before = (out / "model.safetensors").read_bytes()
+    assert main(["run", "-p", "set-topk{k=1}", "-o", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (out / "model.safetensors").read_bytes() == before
+    assert main(["run", str(out), "-p", "verify", "-o", str(out), "--overwrite"]) == 2
+    assert "overwrite or sit inside the input" in capsys.readouterr().err
+    assert main(["run", "-p", "set-topk{k=1}", "-o", str(out), "--overwrite"]) == 0
+    assert ir.load(out).blocks("moe")[0].op.top_k == 1
+
+
+def test_exit_codes_and_messages(tmp_path):
+    code, _, err = cli("run", "-p", "verfy", "-o", str(tmp_path / "x"))
+    assert code == 2 and "did you mean verify" in err and "Traceback" not in err
+    code, _, err = cli("run", "-p", "drop-blocks{layers=[40]}", "-o", str(tmp_path / "x"))
+    assert code == 1 and "out of range" in err and "Traceback" not in err
+    code, _, err = cli("inspect", str(tmp_path / "missing"))
+    assert code == 1 and "does not exist" in err and "Traceback" not in err
+    code, _, err = cli("run", "-p", "verify")
+    assert code == 2 and "-o" in err
+    code, _, err = cli("run", "-p", "verify", "-o", str(tmp_path / "y"), "--plugin", "no_such_module_xyz")
+    assert code == 2 and "cannot import plugin" in err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_passes_listing(capsys):
+    assert main(["passes", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["passes"]}
+    assert {"verify", "print-ir", "snapshot", "set-topk", "drop-blocks", "repeat"} <= set(rows)
+    k = rows["set-topk"]["options"][0]
+    assert k == {"name": "k", "type": "int", "required": True, "default": None}
+    assert rows["snapshot"]["options"][0]["default"] == "teacher"
+
+
+def test_readme_plugin_example_runs(tmp_path):
+    """The README's plugin is at most 20 lines and works through --plugin and the Python API."""
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"<!-- plugin-example -->\n```python\n(.*?)```", text, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 20
+    (tmp_path / "my_passes.py").write_text(code)
+    out = tmp_path / "out"
+    rc, stdout, err = cli("run", "--plugin", "my_passes", "--pipeline", "cap-topk{k=1}", "-o", str(out), "--json",
+                          env={"PYTHONPATH": str(tmp_path)})
+    assert rc == 0, err
+    assert json.loads(stdout)["pipeline"] == "cap-topk{k=1}"
+    assert all(n.op.top_k == 1 for n in ir.load(out).blocks("moe"))
+    rc, stdout, _ = cli("passes", "--plugin", "my_passes", env={"PYTHONPATH": str(tmp_path)})
+    assert "cap-topk{k: int = 8}" in stdout
+    # the Python API, with the same module
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import my_passes  # noqa: F401
+        from puzzlekit.passes import PassManager
+        from puzzlekit.tools.default_model import load_default
+        prog = load_default()
+        PassManager("cap-topk{k=1}").run(prog)
+        assert all(n.op.top_k == 1 for n in prog.blocks("moe"))
+    finally:
+        sys.path.remove(str(tmp_path))
