@@ -47,7 +47,14 @@ def _need(cfg: dict, key: str, src: Path):
 
 
 def _uniform_spec(kind: str, cfg: dict, src: Path) -> OpSpec:
-    g = lambda k: _need(cfg, k, src)
+    try:
+        return _uniform(kind, cfg, src)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{src}: config for the {kind} layers: {e}") from None
+
+
+def _uniform(kind: str, cfg: dict, src: Path) -> OpSpec:
+    g = lambda k: _need(cfg, k, src)  # noqa: E731
     hidden, eps = g("hidden_size"), cfg.get("layer_norm_epsilon", 1e-5)
     if kind == "mamba2":
         return Mamba2(hidden, g("mamba_num_heads"), g("mamba_head_dim"), g("ssm_state_size"), g("n_groups"),
@@ -65,6 +72,8 @@ def _uniform_spec(kind: str, cfg: dict, src: Path) -> OpSpec:
 
 
 def _kinds(seq, field: str, src: Path) -> list[str]:
+    if not isinstance(seq, (str, list)):
+        raise CheckpointError(f"{src}: {field} must be a string or a list, got {type(seq).__name__}")
     out = []
     for i, t in enumerate(seq):
         if t not in LAYER_TYPES:
@@ -94,7 +103,7 @@ def _spec_from_dict(d: dict, where: str) -> OpSpec:
         d["blocks"] = tuple(_spec_from_dict(b, f"{where}.blocks[{i}]") for i, b in enumerate(d.get("blocks", [])))
     try:
         return OPS[kind](**d)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: bad attributes for {kind}: {e}") from None
 
 
@@ -111,6 +120,9 @@ def program_from_config(cfg: dict, src: Path) -> Program:
     _unsupported(cfg, src)
     hidden, vocab = _need(cfg, "hidden_size", src), _need(cfg, "vocab_size", src)
     eps = cfg.get("layer_norm_epsilon", 1e-5)
+    for k, v in (("hidden_size", hidden), ("vocab_size", vocab)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise CheckpointError(f"{src}: config field {k!r} must be a positive integer, got {v!r}")
     if "block_configs" in cfg:
         blocks = [_spec_from_dict(d, f"{src}: block_configs[{i}]") for i, d in enumerate(cfg["block_configs"])]
         mtp = _spec_from_dict(cfg["mtp"], f"{src}: mtp") if cfg.get("mtp") else None
@@ -125,6 +137,8 @@ def program_from_config(cfg: dict, src: Path) -> Program:
         blocks = [cache.setdefault(k, _uniform_spec(k, cfg, src)) for k in kinds]
         mtp = None
         n_mtp = cfg.get("num_nextn_predict_layers") or 0
+        if not isinstance(n_mtp, int) or isinstance(n_mtp, bool) or n_mtp < 0:
+            raise CheckpointError(f"{src}: num_nextn_predict_layers must be a non-negative integer, got {n_mtp!r}")
         if n_mtp > 1:
             raise CheckpointError(f"{src}: num_nextn_predict_layers={n_mtp}: only one MTP head is supported")
         if n_mtp == 1:
@@ -146,6 +160,8 @@ def _read_json(file: Path):
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file} is not UTF-8 text (byte {e.start}); is it really a JSON config?") from None
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read ({e.strerror})") from None
 
@@ -180,6 +196,9 @@ def load(path, check_finite: bool = False) -> Program:
     if not cfg_file.exists():
         raise CheckpointError(f"{path} has no config.json; a checkpoint directory needs one")
     prog = program_from_config(_read_json(cfg_file), cfg_file)
+    spec_problems = [p for p in problems(prog) if "weight" not in p]
+    if spec_problems:
+        raise CheckpointError(f"{cfg_file} describes an inconsistent model:\n  " + "\n  ".join(spec_problems))
     files = _shard_files(d) if d is not None else []
     prog.meta["source"] = str(path.resolve())
     dtype = getattr(torch, prog.meta["dtype"])
@@ -191,7 +210,7 @@ def load(path, check_finite: bool = False) -> Program:
         return prog
     for f in files:
         prog.weights.add_safetensors(f)
-    found = [p for p in problems(prog, check_finite) if "weight" in p]
+    found = problems(prog, check_finite)
     if found:
         raise CheckpointError(f"checkpoint {path} does not match its config:\n  " + "\n  ".join(found))
     return prog
@@ -230,6 +249,8 @@ def config_of(prog: Program) -> dict:
 def _atomic_dir(path: Path, overwrite: bool, inputs: set[Path]):
     if path.resolve() in inputs or any(p.is_relative_to(path.resolve()) for p in inputs):
         raise CheckpointError(f"{path} holds this program's own input tensors; save to a new directory")
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} is a file; save needs a directory path")
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise CheckpointError(f"{path} already exists and is not empty; pass overwrite=True or pick a new path")
     path.parent.mkdir(parents=True, exist_ok=True)

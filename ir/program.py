@@ -69,7 +69,12 @@ class Program:
         its old tensor only if the old spec had it with the same shape; anything else is an error.
         Weights the new spec no longer has are dropped.
         """
-        old = self.node(node) if isinstance(node, str) else node
+        try:
+            old = self.node(node if isinstance(node, str) else node.path)
+        except KeyError:
+            raise RewriteError(f"rewrite: no node at {node!r}") from None
+        if not isinstance(node, str) and old is not node:
+            raise RewriteError(f"rewrite: {node.path} was rewritten since this Node was read; use the current one")
         idx = self.nodes.index(old)
         new = Node(old.name, op or old.op, old.args, old.path)
         given = dict(weights or {})

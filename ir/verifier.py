@@ -22,6 +22,10 @@ def problems(prog: Program, check_finite: bool = False) -> list[str]:
         if len(n.args) != len(n.op.inputs):
             out.append(f"{where}: takes {len(n.op.inputs)} inputs {list(n.op.inputs)}, got {len(n.args)}")
         out += [f"{where}: input %{a} is not defined before it" for a in n.args if a not in defined]
+        for a, role in zip(n.args, n.op.inputs):
+            if (role == "ids") != (a in prog.inputs) and a in defined:
+                want = "a program input (token ids)" if role == "ids" else "a hidden state, not a program input"
+                out.append(f"{where}: input %{a} is in the {role!r} position and must be {want}")
         if n.name in defined:
             out.append(f"{where}: value %{n.name} is defined twice")
         if n.path in paths:
@@ -53,6 +57,9 @@ def _weight_problems(prog: Program, check_finite: bool) -> list[str]:
             elif tuple(w.shape(full)) != tuple(shape):
                 out.append(f"node %{n.name} ({n.path}, {n.op.kind}): weight {local!r} has shape "
                            f"{list(w.shape(full))}, the spec implies {list(shape)}")
+            elif not (w.dtype(full).is_floating_point or n.op.kind == "opaque"):
+                out.append(f"node %{n.name} ({n.path}, {n.op.kind}): weight {local!r} has dtype "
+                           f"{str(w.dtype(full)).replace('torch.', '')}; a floating-point type is needed")
             elif check_finite and not w.is_meta(full) and w.dtype(full).is_floating_point:
                 t = w.get(full)
                 if not bool(torch.isfinite(t.float() if t.dtype.itemsize == 1 else t).all()):

@@ -43,7 +43,7 @@ def small_program() -> ir.Program:
     return build_small_program()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def make_small_program():
     """The builder itself, for tests that need several programs or one without weights."""
     return build_small_program
@@ -52,6 +52,12 @@ def make_small_program():
 def example_ids(batch: int = 2, length: int = 11, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, length), generator=g)
+
+
+@pytest.fixture(scope="session")
+def make_ids():
+    """example_ids(batch=2, length=11, seed=1) as a fixture (test modules cannot import conftest)."""
+    return example_ids
 
 
 @pytest.fixture

@@ -21,6 +21,19 @@ class OpSpec:
     #: True for residual blocks (one per layer, named backbone.layers.{i})
     is_block: ClassVar[bool] = False
 
+    def __post_init__(self):
+        """Attributes must have their declared types (ints stay ints, floats accept ints)."""
+        for f in fields(self):
+            v, t = getattr(self, f.name), f.type
+            if t == "int" and (not isinstance(v, int) or isinstance(v, bool)):
+                raise TypeError(f"{self.kind} attribute {f.name} must be an int, got {v!r}")
+            if t == "bool" and not isinstance(v, bool):
+                raise TypeError(f"{self.kind} attribute {f.name} must be a bool, got {v!r}")
+            if t == "float":
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise TypeError(f"{self.kind} attribute {f.name} must be a number, got {v!r}")
+                object.__setattr__(self, f.name, float(v))
+
     def replace(self, **changes) -> OpSpec:
         return dataclasses.replace(self, **changes)
 
