@@ -161,7 +161,8 @@ def trace(module: nn.Module, example_inputs: tuple, check: bool = True, kwargs: 
     """
     kwargs = kwargs or {}
     example_inputs = tuple(example_inputs)
-    module = module.eval()
+    was_training = module.training
+    module.eval()
     with torch.no_grad():
         expected = module(*example_inputs, **kwargs)
     found = _recognise(module)
@@ -177,6 +178,7 @@ def trace(module: nn.Module, example_inputs: tuple, check: bool = True, kwargs: 
         gm = ep.module()
     finally:
         _restore(module, originals)
+        module.train(was_training)
     prog = _build(gm, found, module)
     if check:
         _check(prog, module, example_inputs, expected, atol, rtol)

@@ -127,6 +127,45 @@ def _run(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from .train import TrainConfig, train
+
+    cfg = TrainConfig(steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
+                      checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes)
+    m = train(Path(args.output), cfg, args.data, progress=not args.json)
+    text = (f"step {m['step']}/{cfg.steps} in {m['train_seconds']:.0f} s\n"
+            f"validation bits per byte {m['valid_bits_per_byte']:.3f} (unigram baseline "
+            f"{m['unigram_bits_per_byte']:.3f}) on {m['valid_bytes']:,} bytes\n"
+            f"MTP top-1 accuracy {m['mtp_top1_accuracy']:.3f}\nwrote {Path(args.output) / 'model'}\n")
+    _emit(args, m, text)
+    return 0
+
+
+def _eval(args) -> int:
+    from .. import evaluate, ir
+    from ..backends.torch import materialize
+    from ..data import load_corpus, sequential_windows
+    from .default_model import model_path
+
+    corpus = load_corpus(args.data)
+    windows = sequential_windows(corpus.valid, args.seq + 1, limit=args.windows)
+    model = materialize(ir.verify(_model(args)))
+    res = {"model": str(model_path(args.model)), "valid_bytes": int(windows[:, 1:].numel()),
+           "bits_per_byte": evaluate.bits_per_byte(model, windows),
+           "unigram_bits_per_byte": evaluate.unigram_bits_per_byte(corpus.train, windows)}
+    if model.program.find("mtp"):
+        res["mtp_top1_accuracy"] = evaluate.mtp_accuracy(model, windows)
+        prompts = windows[: args.prompts, : args.seq // 2]
+        res["acceptance_length"] = evaluate.acceptance_length(model, prompts, args.k, args.new_tokens)
+        res["draft_tokens"] = args.k
+    if args.teacher:
+        teacher = materialize(ir.verify(ir.load(model_path(args.teacher))))
+        res.update(evaluate.teacher_agreement(teacher, model, windows))
+    lines = [f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in res.items()]
+    _emit(args, res, "\n".join(lines) + "\n")
+    return 0
+
+
 # -- wiring --------------------------------------------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="puzzlekit", description="A compiler for hybrid Mamba/MoE/attention LMs.")
@@ -150,10 +189,33 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     r.set_defaults(run=_run)
 
+    t = sub.add_parser("train", help="train the default hybrid architecture on byte-level text (resumable)")
+    t.add_argument("--output", "-o", required=True, help="run directory (re-run the same command to resume)")
+    t.add_argument("--data", nargs="*", help="text files, directories or .jsonl (default: the Python stdlib)")
+    t.add_argument("--steps", type=int, default=1200)
+    t.add_argument("--batch", type=int, default=16)
+    t.add_argument("--seq", type=int, default=256)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--checkpoint-every", type=int, default=50)
+    t.add_argument("--max-minutes", type=float, default=0.0, help="stop and save after this long (0: no limit)")
+    t.set_defaults(run=_train)
+
+    e = sub.add_parser("eval", help="bits per byte, MTP accuracy, speculative acceptance, teacher agreement")
+    e.add_argument("model", nargs="?", help=model_help)
+    e.add_argument("--teacher", help="a second model: report KL(teacher || model) and top-1 agreement")
+    e.add_argument("--data", nargs="*", help="text files, directories or .jsonl (default: the Python stdlib)")
+    e.add_argument("--windows", type=int, default=64, help="held-out windows to score")
+    e.add_argument("--seq", type=int, default=256, help="window length")
+    e.add_argument("--k", type=int, default=3, help="tokens drafted per step by the MTP head")
+    e.add_argument("--prompts", type=int, default=4, help="prompts for the speculative-decoding measurement")
+    e.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
+    e.set_defaults(run=_eval)
+
     for cmd in (s, r):
         cmd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                          help="import MODULE first (it may register passes); repeatable")
-    for cmd in (i, s, r):
+    for cmd in (i, s, r, t, e):
         cmd.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return p
 

@@ -47,7 +47,7 @@ class ProgramModule(nn.Module):
                 m.bind(by_kind["embed"], by_kind["lm_head"])
         self.state_names = [f"{n.path}.{k}" for n, _ in self._nodes for k in n.op.state_shapes()]
 
-    def _run(self, ids, state, decode):
+    def _run(self, ids, state, decode, keep=()):
         env = {self.program.inputs[0]: ids}
         new_state, i = [], 0
         for n, m in self._nodes:
@@ -56,16 +56,23 @@ class ProgramModule(nn.Module):
                 cnt = len(n.op.state_shapes())
                 past = None if state is None or not cnt else tuple(state[i:i + cnt])
                 out, st = m(*args, past, decode)
-                new_state += list(st)
+                new_state += [t.contiguous() for t in st]  # one layout whatever the prompt length
                 i += cnt
             else:
                 out = m(*args)
             env[n.name] = out
+        if keep:
+            return tuple(env[k] for k in keep)
         return tuple(env[o] for o in self.program.outputs), tuple(new_state)
 
     def forward(self, input_ids):
         outs, _ = self._run(input_ids, None, False)
         return outs if len(outs) > 1 else outs[0]
+
+    def values(self, input_ids, *names):
+        """Intermediate SSA values (e.g. the trunk's last hidden state) of a fresh prefill, by name."""
+        got = self._run(input_ids, None, False, keep=names)
+        return got if len(names) > 1 else got[0]
 
     def prefill(self, input_ids, state=None):
         return self._run(input_ids, state, False)
@@ -106,7 +113,7 @@ def random_weights(prog: Program, seed: int = 0, dtype: torch.dtype = torch.floa
             leaf = local.rsplit(".", 1)[-1]
             if leaf == "A_log":
                 t = torch.log(torch.arange(1, shape[0] + 1, dtype=torch.float32))
-            elif leaf in ("D",) or local.endswith("norm.weight") or leaf == "weight" and "norm" in local:
+            elif leaf == "D" or local.endswith("norm.weight") or n.op.kind == "norm":
                 t = torch.ones(shape)
             elif leaf == "dt_bias":
                 dt = torch.exp(torch.rand(shape, generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))

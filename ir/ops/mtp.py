@@ -95,16 +95,24 @@ class MTPHead(nn.Module):
         state: (last trunk hidden [b,hidden], *per-block states flattened) or None.
         Returns logits [b,t,vocab] and the new state.
         """
-        embed, head = self.shared
-        emb = embed(ids)
+        z, new_state = self._stack(h, ids, state, decode)
+        return self.shared[1](self.layers[-1].final_layernorm(z)), new_state
+
+    def with_hidden(self, h, ids):
+        """Logits and the head's own hidden state before its final norm (a fresh sequence)."""
+        z, _ = self._stack(h, ids, None, False)
+        return self.shared[1](self.layers[-1].final_layernorm(z)), z
+
+    def _stack(self, h, ids, state, decode):
+        embed = self.shared[0]
         first = self.layers[0]
         prev = h.new_zeros(h.shape[0], 1, h.shape[2]) if state is None else state[0][:, None]
         shifted = torch.cat([prev, h[:, :-1]], dim=1)
-        z = first.eh_proj(torch.cat([first.enorm(emb), first.hnorm(shifted)], dim=-1))
+        z = first.eh_proj(torch.cat([first.enorm(embed(ids)), first.hnorm(shifted)], dim=-1))
         new_state, i = [h[:, -1]], 1
         for layer in self.layers:
             n = len(layer.spec.state_shapes())
             z, st = layer(z, None if state is None else tuple(state[i:i + n]), decode)
             new_state += list(st)
             i += n
-        return head(self.layers[-1].final_layernorm(z)), tuple(new_state)
+        return z, tuple(new_state)

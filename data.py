@@ -1,0 +1,117 @@
+"""Byte-level text corpora: the Python standard library's own source, or the user's files and JSONL."""
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import PuzzlekitError
+
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".jsonl", ".c", ".h", ".toml", ".cfg", ".ini", ".html"}
+SEPARATOR = b"\n\n"
+
+
+class DataError(PuzzlekitError):
+    """Training or evaluation data cannot be read."""
+
+
+def stdlib_files() -> list[Path]:
+    """The running interpreter's standard library sources, sorted (no site-packages)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+
+
+def is_validation(name: str, every: int = 20) -> bool:
+    """Deterministic split by path: about one file in `every` is held out."""
+    return int(hashlib.sha1(name.encode()).hexdigest(), 16) % every == 0
+
+
+@dataclass
+class Corpus:
+    """One byte stream per split (documents joined by a blank line)."""
+
+    train: np.ndarray  # uint8
+    valid: np.ndarray
+
+    def split(self, name: str) -> np.ndarray:
+        return {"train": self.train, "valid": self.valid}[name]
+
+
+def _join(docs: list[bytes]) -> np.ndarray:
+    return np.frombuffer(SEPARATOR.join(docs), dtype=np.uint8).copy()
+
+
+def stdlib_corpus(limit_bytes: int | None = None) -> Corpus:
+    """The standard library as a corpus; split by file path (relative to the stdlib root)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, valid, size = [], [], 0
+    for f in stdlib_files():
+        rel = f.relative_to(root).as_posix()
+        data = f.read_bytes()
+        (valid if is_validation(rel) else train).append(data)
+        size += len(data)
+        if limit_bytes and size >= limit_bytes:
+            break
+    return Corpus(_join(train), _join(valid))
+
+
+def _documents(path: Path) -> list[tuple[str, bytes]]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        return [d for f in files for d in _documents(f)]
+    if not path.exists():
+        raise DataError(f"{path} does not exist; pass text files, directories or .jsonl files")
+    if path.suffix == ".jsonl":
+        docs = []
+        for i, line in enumerate(path.read_text().splitlines()):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                raise DataError(f"{path}:{i + 1}: each JSONL record needs a string field \"text\"")
+            docs.append((f"{path}:{i + 1}", rec["text"].encode()))
+        return docs
+    return [(str(path), path.read_bytes())]
+
+
+def user_corpus(paths: list[str | Path]) -> Corpus:
+    """The user's text files, directories (recursively, text suffixes) and JSONL ({"text": ...} per line)."""
+    train, valid = [], []
+    for p in paths:
+        for name, data in _documents(Path(p)):
+            (valid if is_validation(name) else train).append(data)
+    if not train:
+        raise DataError(f"no training text found in {[str(p) for p in paths]}")
+    if not valid:  # tiny inputs: hold out the tail of the training stream instead
+        joined = _join(train)
+        cut = max(1, len(joined) // 20)
+        return Corpus(joined[:-cut], joined[-cut:])
+    return Corpus(_join(train), _join(valid))
+
+
+def load_corpus(paths: list[str] | None = None, limit_bytes: int | None = None) -> Corpus:
+    return user_corpus(paths) if paths else stdlib_corpus(limit_bytes)
+
+
+def random_windows(stream: np.ndarray, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """`batch` random windows of `length` bytes as int64 token ids [batch, length]."""
+    if len(stream) <= length:
+        raise DataError(f"the text ({len(stream)} bytes) is shorter than one window of {length + 1} bytes")
+    starts = torch.randint(0, len(stream) - length, (batch,), generator=generator).numpy()
+    return torch.from_numpy(np.stack([stream[s:s + length] for s in starts]).astype(np.int64))
+
+
+def sequential_windows(stream: np.ndarray, length: int, limit: int | None = None) -> torch.Tensor:
+    """Consecutive non-overlapping windows [n, length] covering the stream (up to `limit` windows)."""
+    n = (len(stream)) // length
+    if limit:
+        n = min(n, limit)
+    return torch.from_numpy(stream[: n * length].astype(np.int64).reshape(n, length))

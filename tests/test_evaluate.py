@@ -1,0 +1,156 @@
+"""Metrics on constructed cases with known answers, and the corpus split."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from puzzlekit import evaluate
+from puzzlekit.backends.torch import materialize, random_weights
+from puzzlekit.data import (DataError, is_validation, random_windows, sequential_windows, stdlib_corpus, stdlib_files,
+                            user_corpus)
+from puzzlekit.tools.default_model import default_architecture
+
+
+class Fixed(torch.nn.Module):
+    """A 'model' whose next-byte distribution is the same everywhere."""
+
+    def __init__(self, probs):
+        super().__init__()
+        self.logp = torch.log(torch.as_tensor(probs, dtype=torch.float32))
+
+    def forward(self, ids):
+        return self.logp.expand(*ids.shape, -1).clone()
+
+
+def test_bits_per_byte_of_known_distributions():
+    ids = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(0))
+    assert evaluate.bits_per_byte(Fixed(torch.full((256,), 1 / 256)), ids) == pytest.approx(8.0, abs=1e-5)
+    p = torch.full((256,), 0.5 / 255)
+    p[7] = 0.5
+    sevens = torch.full((2, 10), 7)
+    assert evaluate.bits_per_byte(Fixed(p), sevens) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_unigram_baseline_matches_hand_count():
+    train = np.array([0, 0, 0, 1], dtype=np.uint8)
+    windows = torch.tensor([[5, 0, 1]])
+    p0, p1 = 4 / 260, 2 / 260  # add-one smoothing over 256 symbols
+    assert evaluate.unigram_bits_per_byte(train, windows) == pytest.approx(-(math.log2(p0) + math.log2(p1)) / 2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return materialize(random_weights(default_architecture(), seed=3, std=0.2))
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(1))
+
+
+def test_identical_models_agree_fully(model, windows):
+    r = evaluate.teacher_agreement(model, model, windows)
+    assert r["kl"] == pytest.approx(0.0, abs=1e-6) and r["top1_agreement"] == 1.0
+
+
+def test_kl_matches_closed_form():
+    p, q = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.2, 0.5, 0.3])
+    want = float((p * (p / q).log()).sum())
+    r = evaluate.teacher_agreement(Fixed(p), Fixed(q), torch.zeros(2, 5, dtype=torch.long))
+    assert r["kl"] == pytest.approx(want, rel=1e-5) and r["top1_agreement"] == 0.0
+
+
+def test_different_models_disagree(model, windows):
+    other = materialize(random_weights(default_architecture(), seed=4, std=0.2))
+    r = evaluate.teacher_agreement(model, other, windows)
+    assert r["kl"] > 0.01 and r["top1_agreement"] < 1.0
+
+
+def test_mtp_accuracy_counts_the_token_after_next(model, windows):
+    with torch.no_grad():
+        _, mtp = model(windows)
+    want = (mtp[:, 1:-1].argmax(-1) == windows[:, 2:]).float().mean().item()
+    assert evaluate.mtp_accuracy(model, windows) == pytest.approx(want)
+    # a sequence made of the head's own predictions is predicted perfectly
+    seq = windows[:1, :2].clone()
+    for _ in range(10):
+        with torch.no_grad():
+            _, mtp = model(seq)
+        seq = torch.cat([seq, mtp[:, -1:].argmax(-1)], dim=1)
+    # prediction at t depends only on tokens <= t, so the appended tokens are exactly its argmaxes
+    assert evaluate.mtp_accuracy(model, seq) == 1.0
+
+
+def _greedy(model, seq, n):
+    for _ in range(n):
+        with torch.no_grad():
+            nxt = model(seq[None])[0][0, -1].argmax()
+        seq = torch.cat([seq, nxt[None]])
+    return seq
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_acceptance_length_bounds(model, windows, k):
+    prompts = windows[:2, :8]
+
+    def oracle(seq, bonus, kk):  # always right: the trunk's own greedy continuation after the bonus token
+        cont = _greedy(model, torch.cat([seq, torch.tensor([bonus])]), kk)
+        return cont[-kk:].tolist()
+
+    def wrong(seq, bonus, kk):
+        return [(t + 1) % 256 for t in oracle(seq, bonus, kk)]
+
+    assert evaluate.acceptance_length(model, prompts, k, 8, drafter=oracle) == pytest.approx(k + 1)
+    assert evaluate.acceptance_length(model, prompts, k, 8, drafter=wrong) == pytest.approx(1.0)
+    real = evaluate.acceptance_length(model, prompts, k, 8)
+    assert 1.0 <= real <= k + 1
+
+
+def test_mtp_drafter_first_draft_is_the_heads_prediction(model, windows):
+    seq = windows[0, :9]
+    bonus = int(model(seq[None])[0][0, -1].argmax())
+    draft = evaluate.mtp_drafter(model)(seq, bonus, 2)
+    with torch.no_grad():
+        _, mtp = model(torch.cat([seq, torch.tensor([bonus])])[None])
+    assert draft[0] == int(mtp[0, -1].argmax())
+
+
+def test_stdlib_split_is_deterministic_and_disjoint():
+    files = stdlib_files()
+    assert len(files) > 500
+    names = [f.name for f in files[:200]]
+    assert [is_validation(n) for n in names] == [is_validation(n) for n in names]
+    c = stdlib_corpus(limit_bytes=2_000_000)
+    assert len(c.train) > 10 * len(c.valid) > 0
+    assert c.train.dtype == np.uint8
+
+
+def test_user_corpus_files_dirs_jsonl(tmp_path):
+    (tmp_path / "d").mkdir()
+    for i in range(30):
+        (tmp_path / "d" / f"f{i}.txt").write_text(f"document {i} " * 20)
+    (tmp_path / "d" / "skip.bin").write_bytes(b"\x00" * 100)
+    jl = tmp_path / "x.jsonl"
+    jl.write_text('{"text": "hello"}\n\n{"text": "world"}\n')
+    c = user_corpus([tmp_path / "d", jl])
+    total = len(c.train) + len(c.valid)
+    assert b"\x00" not in c.train.tobytes() + c.valid.tobytes()
+    assert total > 30 * 200
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": 1}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:1: .*\"text\""):
+        user_corpus([bad])
+    with pytest.raises(DataError, match="does not exist"):
+        user_corpus([tmp_path / "nope.txt"])
+
+
+def test_windows():
+    stream = np.arange(100, dtype=np.uint8)
+    w = sequential_windows(stream, 10, limit=3)
+    assert w.tolist()[1] == list(range(10, 20)) and w.shape == (3, 10)
+    g = torch.Generator().manual_seed(0)
+    r = random_windows(stream, 4, 10, g)
+    assert r.shape == (4, 10) and bool(((r[:, 1:] - r[:, :-1]) == 1).all())
+    with pytest.raises(DataError, match="shorter than one window"):
+        random_windows(stream[:5], 1, 10, g)
