@@ -1,5 +1,5 @@
 """The IR: Programs of block-level nodes, their weights, checkpoints, tracing, printing and verifying."""
-from .checkpoint import assemble, load, save
+from .checkpoint import assemble, load, meta_weights, save
 from .ops import OPS, OpSpec
 from .printer import format_params, print_program
 from .program import Node, Program
@@ -30,6 +30,7 @@ __all__ = [
     "assemble",
     "format_params",
     "load",
+    "meta_weights",
     "print_program",
     "problems",
     "register_module",

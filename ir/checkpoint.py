@@ -154,6 +154,15 @@ def program_from_config(cfg: dict, src: Path) -> Program:
                     meta={"dtype": str(dtype), "config": cfg})
 
 
+def meta_weights(prog: Program, dtype: torch.dtype = torch.bfloat16) -> Program:
+    """Gives every parameter a meta tensor (shape and dtype only, no memory)."""
+    for n in prog.nodes:
+        for local, shape in n.op.params().items():
+            fp32 = local in n.op.fp32_params()
+            prog.weights.set_meta(f"{n.path}.{local}", shape, torch.float32 if fp32 else dtype)
+    return prog
+
+
 # -- load ------------------------------------------------------------------------------------------------
 def _read_json(file: Path):
     try:
@@ -203,11 +212,7 @@ def load(path, check_finite: bool = False) -> Program:
     prog.meta["source"] = str(path.resolve())
     dtype = getattr(torch, prog.meta["dtype"])
     if not files:
-        for n in prog.nodes:
-            for local, shape in n.op.params().items():
-                fp32 = local in n.op.fp32_params()
-                prog.weights.set_meta(f"{n.path}.{local}", shape, torch.float32 if fp32 else dtype)
-        return prog
+        return meta_weights(prog, dtype)
     for f in files:
         prog.weights.add_safetensors(f)
     found = problems(prog, check_finite)

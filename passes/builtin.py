@@ -14,6 +14,15 @@ def param_counts(prog: Program, am: AnalysisManager) -> dict:
     return prog.param_counts()
 
 
+@analysis("cost", depends=("structure",))
+def cost_analysis(prog: Program, am: AnalysisManager, target: str = "h100", scenario: str = "decode-heavy",
+                  recipe: str = "") -> dict:
+    """The cost model's report (backends/cost.py) for a target and a named scenario."""
+    from ..backends.cost import cost
+
+    return cost(prog, target, scenario, recipe=recipe or None).to_json()
+
+
 @register("verify")
 class Verify(Pass):
     """Check every invariant of the program; fail with the list of problems."""

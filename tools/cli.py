@@ -166,6 +166,34 @@ def _eval(args) -> int:
     return 0
 
 
+def _cost(args) -> int:
+    from ..backends.cost import cost
+
+    prog = _model(args)
+    r = cost(prog, args.target, args.scenario, recipe=args.recipe, gpus=args.gpus, concurrency=args.concurrency)
+    s = r.scenario
+    gb = 1e9
+    rows = [("kind", "count", "weights GB", "state MB/req", "decode ms", "prefill ms")]
+    for k, v in r.by_kind.items():
+        rows.append((k, str(v["count"]), f"{v['weight_bytes'] / gb:.3f}", f"{v['state_bytes_per_request'] / 1e6:.2f}",
+                     f"{v['decode_seconds'] * 1e3:.3f}", f"{v['prefill_seconds'] * 1e3:.2f}"))
+    rows.append(("total", "", f"{r.weight_bytes / gb:.3f}", f"{r.state_bytes_per_request / 1e6:.2f}",
+                 f"{r.decode_step_seconds * 1e3:.3f}", f"{r.prefill_seconds * 1e3:.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+    table = "\n".join("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row))
+                      for row in rows)
+    head = (f"{r.target}, scenario {s.name}: {s.input_len} in / {s.output_len} out, context {s.context_len}, "
+            f"rate floor {s.rate_floor:g} tok/s, KV {s.kv_dtype}, weights {s.recipe or 'bf16'}\n")
+    tail = (f"\nparams {r.params_total / 1e9:.2f}B total, {r.params_active / 1e9:.2f}B active\n"
+            f"max concurrency at context {s.context_len}: {r.max_concurrency}\n"
+            f"max batch meeting the rate floor: {r.max_batch} (decode step {r.decode_step_seconds * 1e3:.3f} ms)\n"
+            f"throughput: {r.throughput_tokens_per_second:,.0f} tokens/s; prefill {r.prefill_seconds:.3f} s\n")
+    if r.infeasible:
+        tail += f"infeasible: {r.infeasible}\n"
+    _emit(args, r.to_json(), head + table + tail)
+    return 0
+
+
 # -- wiring --------------------------------------------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="puzzlekit", description="A compiler for hybrid Mamba/MoE/attention LMs.")
@@ -212,10 +240,19 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
     e.set_defaults(run=_eval)
 
+    c = sub.add_parser("cost", help="price a model on a GPU target and deployment scenario")
+    c.add_argument("model", nargs="?", help=model_help)
+    c.add_argument("--target", default="h100", help="h100, h200, b200, 8xh100, ..., cpu, or a .toml/.json file")
+    c.add_argument("--scenario", default="decode-heavy", help="long-1m, decode-heavy, prefill-heavy, chat")
+    c.add_argument("--recipe", help="weight precisions: bf16, fp8, nvfp4, nvfp4-hybrid")
+    c.add_argument("--gpus", type=int, help="devices to use (tensor parallel; default: all of the target)")
+    c.add_argument("--concurrency", type=int, help="requests served at once (default: as many as fit)")
+    c.set_defaults(run=_cost)
+
     for cmd in (s, r):
         cmd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                          help="import MODULE first (it may register passes); repeatable")
-    for cmd in (i, s, r, t, e):
+    for cmd in (i, s, r, t, e, c):
         cmd.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return p
 

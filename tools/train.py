@@ -82,6 +82,7 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
     opt = _optimizer(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     step = resumed_from = 0
+    earlier = 0.0  # seconds spent by earlier segments of this run
     if state_file.exists():
         st = torch.load(state_file, weights_only=False)
         if st["config"] != cfg.identity():
@@ -91,6 +92,7 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
         opt.load_state_dict(st["optimizer"])
         gen.set_state(st["generator"])
         step = resumed_from = st["step"]
+        earlier = st.get("seconds", 0.0)
     start, log = time.monotonic(), []
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not progress)
     while step < cfg.steps:
@@ -108,7 +110,8 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
         timed_out = cfg.max_minutes and time.monotonic() - start > cfg.max_minutes * 60
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or timed_out:
             _save_state(state_file, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                                     "generator": gen.get_state(), "config": cfg.identity()})
+                                     "generator": gen.get_state(), "config": cfg.identity(),
+                                     "seconds": earlier + time.monotonic() - start})
         if timed_out:
             break
     bar.close()
@@ -117,7 +120,7 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
         prog.weights.set(name, t.detach().clone())
     windows = sequential_windows(corpus.valid, cfg.seq + 1, limit=cfg.eval_windows)
     metrics = {
-        "step": step, "resumed_from": resumed_from, "finished": step >= cfg.steps, "train_seconds": round(time.monotonic() - start, 1),
+        "step": step, "resumed_from": resumed_from, "finished": step >= cfg.steps, "train_seconds": round(earlier + time.monotonic() - start, 1),
         "valid_bits_per_byte": evaluate.bits_per_byte(model, windows),
         "unigram_bits_per_byte": evaluate.unigram_bits_per_byte(corpus.train, windows),
         "mtp_top1_accuracy": evaluate.mtp_accuracy(model, windows),

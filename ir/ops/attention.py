@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Block, OpSpec, RMSNorm, positive
+from .base import Block, OpSpec, RMSNorm, Work, dense_weights, positive
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,22 @@ class Attention(OpSpec):
         if self.kv_heads > 0 and self.q_heads % self.kv_heads:
             out.append(("kv_heads", f"q_heads={self.q_heads} must be divisible by kv_heads={self.kv_heads}"))
         return out
+
+    def state_bytes(self, kv_bytes: float, ssm_bytes: float, act_bytes: float, context: int) -> float:
+        """Per-sequence KV cache at `context` tokens."""
+        return 2 * self.kv_heads * self.head_dim * context * kv_bytes
+
+    def work(self, batch: int, tokens: int, context: int, decode: bool, kv_bytes: float, ssm_bytes: float,
+             act_bytes: float, routing=None) -> Work:
+        n = batch * tokens
+        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        past = context if decode else 0
+        # each query attends to the past plus the causal part of its own chunk: QK^T and AV
+        pairs = batch * (tokens * past + tokens * (tokens + 1) / 2)
+        flops = 2 * n * self.hidden * (2 * q + 2 * kv) + 4 * pairs * q + 4 * n * self.hidden
+        per_token = 2 * kv * kv_bytes
+        return Work(flops, dense_weights(self), n * (2 * self.hidden + 2 * q + 2 * kv),
+                    state_read=batch * past * per_token, state_write=n * per_token, kernels=5)
 
     def build(self):
         return Block(self, RMSNorm(self.hidden, self.eps), AttentionMixer(self))

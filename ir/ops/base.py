@@ -68,6 +68,15 @@ class OpSpec:
                 out.append((f.name, f"must be >= 0, got {v}"))
         return out
 
+    def state_bytes(self, kv_bytes: float, ssm_bytes: float, act_bytes: float, context: int) -> float:
+        """Decode state per sequence at `context` tokens, in bytes."""
+        return 0.0
+
+    def work(self, batch: int, tokens: int, context: int, decode: bool, kv_bytes: float, ssm_bytes: float,
+             act_bytes: float, routing=None) -> Work:
+        """Work of one step over `batch` sequences of `tokens` new tokens each, `context` tokens before them."""
+        raise NotImplementedError(f"op {self.kind!r} does not report its work")
+
     def build(self) -> nn.Module:
         raise NotImplementedError(f"op {self.kind!r} has no reference module")
 
@@ -117,3 +126,25 @@ class Block(nn.Module):
         else:
             y, state = self.mixer(h), ()
         return x + y, state
+
+
+@dataclass
+class Work:
+    """Hardware-independent work of one op for one step.
+
+    `weights` maps local parameter names to the elements read (an expert touched with probability p
+    counts p times its size); bytes follow from each parameter's precision at costing time.
+    `act` counts activation elements read and written; state bytes are per step, all sequences.
+    `kernels` is the number of kernel launches a serving engine typically issues for the op.
+    """
+
+    flops: float = 0.0
+    weights: dict = dataclasses.field(default_factory=dict)
+    act: float = 0.0
+    state_read: float = 0.0
+    state_write: float = 0.0
+    kernels: int = 0
+
+
+def dense_weights(spec) -> dict:
+    return {k: float(math.prod(s)) for k, s in spec.params().items()}

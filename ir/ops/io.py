@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import nn
 
-from .base import OpSpec, RMSNorm, positive
+from .base import OpSpec, RMSNorm, Work, dense_weights, positive
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,10 @@ class Embed(OpSpec):
 
     def check(self):
         return super().check() + positive(self, "vocab", "hidden")
+
+    def work(self, batch, tokens, context, decode, kv_bytes, ssm_bytes, act_bytes, routing=None):
+        n = batch * tokens  # a gather: only the rows of the tokens seen are read
+        return Work(0.0, {"weight": float(min(n, self.vocab) * self.hidden)}, n * self.hidden, kernels=1)
 
     def build(self):
         return nn.Embedding(self.vocab, self.hidden)
@@ -38,6 +42,10 @@ class Norm(OpSpec):
     def check(self):
         return super().check() + positive(self, "hidden")
 
+    def work(self, batch, tokens, context, decode, kv_bytes, ssm_bytes, act_bytes, routing=None):
+        n = batch * tokens
+        return Work(4.0 * n * self.hidden, dense_weights(self), 2.0 * n * self.hidden, kernels=1)
+
     def build(self):
         return RMSNorm(self.hidden, self.eps)
 
@@ -54,6 +62,12 @@ class LMHead(OpSpec):
 
     def check(self):
         return super().check() + positive(self, "vocab", "hidden")
+
+    def work(self, batch, tokens, context, decode, kv_bytes, ssm_bytes, act_bytes, routing=None):
+        """Serving computes logits for the last position of each sequence only (a tied head reads the
+        embedding matrix, named "weight" here too)."""
+        return Work(2.0 * batch * self.hidden * self.vocab, {"weight": float(self.vocab * self.hidden)},
+                    batch * (self.hidden + self.vocab), kernels=1)
 
     def build(self):
         return TiedHead() if self.tied else nn.Linear(self.hidden, self.vocab, bias=False)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Block, OpSpec, RMSNorm, positive
+from .base import Block, OpSpec, RMSNorm, Work, dense_weights, positive
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,26 @@ class Mamba2(OpSpec):
         if self.groups > 0 and self.heads % self.groups:
             out.append(("groups", f"heads={self.heads} must be divisible by groups={self.groups}"))
         return out
+
+    def state_bytes(self, kv_bytes: float, ssm_bytes: float, act_bytes: float, context: int) -> float:
+        """Per-sequence decode state: conv window in the activation dtype, SSM state in its own dtype."""
+        return self.conv_dim * (self.conv - 1) * act_bytes + self.heads * self.head_dim * self.state * ssm_bytes
+
+    def work(self, batch: int, tokens: int, context: int, decode: bool, kv_bytes: float, ssm_bytes: float,
+             act_bytes: float, routing=None) -> Work:
+        n = batch * tokens
+        proj = self.inner + self.conv_dim + self.heads
+        hpn = self.heads * self.head_dim * self.state
+        if decode:  # state update (decay, outer product, add) and readout
+            ssm = 5 * hpn
+        else:  # chunked SSD: intra-chunk scores and mixing, chunk states, inter-chunk readout
+            q = min(self.chunk, tokens)
+            ssm = 2 * q * self.heads * (self.state + self.head_dim) + 6 * hpn
+        flops = n * (2 * self.hidden * proj + 2 * self.conv * self.conv_dim + ssm + 2 * self.inner * self.hidden
+                     + 6 * self.inner + 4 * self.hidden)
+        state = batch * self.state_bytes(kv_bytes, ssm_bytes, act_bytes, context)
+        return Work(flops, dense_weights(self), n * (2 * self.hidden + proj + 2 * self.conv_dim + 2 * self.inner),
+                    state_read=state, state_write=state, kernels=7)
 
     def build(self):
         return Block(self, RMSNorm(self.hidden, self.eps), Mamba2Mixer(self))

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .base import Block, OpSpec, RMSNorm, positive
+from .base import Block, OpSpec, RMSNorm, Work, dense_weights, positive
 from .moe import _MLP
 
 
@@ -27,6 +27,11 @@ class MLP(OpSpec):
     def check(self):
         return super().check() + positive(self, "hidden", "d_ff")
 
+    def work(self, batch, tokens, context, decode, kv_bytes, ssm_bytes, act_bytes, routing=None):
+        n = batch * tokens
+        return Work(n * (4 * self.hidden * self.d_ff + 4 * self.hidden), dense_weights(self),
+                    n * (2 * self.hidden + self.d_ff), kernels=3)
+
     def build(self):
         return Block(self, RMSNorm(self.hidden, self.eps), _MLP(self.hidden, self.d_ff))
 
@@ -41,6 +46,9 @@ class Noop(OpSpec):
 
     def check(self):
         return super().check() + positive(self, "hidden")
+
+    def work(self, batch, tokens, context, decode, kv_bytes, ssm_bytes, act_bytes, routing=None):
+        return Work()
 
     def build(self):
         return Block(self, None, None)
@@ -60,6 +68,11 @@ class Linear(OpSpec):
 
     def check(self):
         return super().check() + positive(self, "hidden")
+
+    def work(self, batch, tokens, context, decode, kv_bytes, ssm_bytes, act_bytes, routing=None):
+        n = batch * tokens
+        return Work(n * (2 * self.hidden * self.hidden + 4 * self.hidden), dense_weights(self), n * 2 * self.hidden,
+                    kernels=2)
 
     def build(self):
         return Block(self, RMSNorm(self.hidden, self.eps), _LinearMixer(self.hidden))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Block, OpSpec, RMSNorm, positive, relu2
+from .base import Block, OpSpec, RMSNorm, Work, dense_weights, positive, relu2
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,29 @@ class MoE(OpSpec):
         if self.shared_d_ff < 0:
             out.append(("shared_d_ff", f"must be >= 0, got {self.shared_d_ff}"))
         return out
+
+    def touched(self, routed_tokens: int, routing=None) -> list[float]:
+        """Probability that each expert is used by at least one of `routed_tokens` tokens.
+
+        routing: per-expert selection frequencies (summing to top_k), measured on calibration data;
+        None assumes uniform routing (each expert chosen by a token with probability top_k / experts).
+        """
+        f = routing if routing is not None else [self.top_k / self.experts] * self.experts
+        return [1.0 - (1.0 - min(1.0, p)) ** routed_tokens for p in f]
+
+    def work(self, batch: int, tokens: int, context: int, decode: bool, kv_bytes: float, ssm_bytes: float,
+             act_bytes: float, routing=None) -> Work:
+        n = batch * tokens
+        w = self.expert_width
+        weights = {}
+        touched = self.touched(n, routing)
+        for k, elems in dense_weights(self).items():
+            j = int(k.split(".")[2]) if k.startswith("mixer.experts.") else None
+            weights[k] = elems if j is None else elems * touched[j]
+        flops = n * (2 * self.hidden * self.experts + self.top_k * 4 * w * self.d_ff + 4 * self.hidden * self.shared_d_ff
+                     + 4 * self.hidden * self.latent + 4 * self.hidden)
+        act = n * (2 * self.hidden + self.top_k * (2 * w + self.d_ff) + self.shared_d_ff + 2 * self.latent)
+        return Work(flops, weights, act, kernels=6 if self.latent else 4)
 
     def build(self):
         return Block(self, RMSNorm(self.hidden, self.eps), MoEMixer(self))

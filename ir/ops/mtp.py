@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import OpSpec, RMSNorm, positive
+from .base import OpSpec, RMSNorm, Work, positive
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,27 @@ class MTP(OpSpec):
         for i, b in enumerate(self.blocks):
             s.update({f"layers.{i}.{k}": v for k, v in b.state_shapes().items()})
         return s
+
+    def state_bytes(self, kv_bytes, ssm_bytes, act_bytes, context):
+        return self.hidden * act_bytes + sum(b.state_bytes(kv_bytes, ssm_bytes, act_bytes, context) for b in self.blocks)
+
+    def work(self, batch, tokens, context, decode, kv_bytes, ssm_bytes, act_bytes, routing=None):
+        """One pass of the head (fusion, its blocks); the shared LM head is costed by the lm_head node."""
+        n, h = batch * tokens, self.hidden
+        total = Work(n * (4 * h * h + 12 * h), {"layers.0.eh_proj.weight": 2.0 * h * h, "layers.0.enorm.weight": h,
+                                                "layers.0.hnorm.weight": h,
+                                                f"layers.{len(self.blocks) - 1}.final_layernorm.weight": h},
+                     n * 5 * h, kernels=3)
+        for i, b in enumerate(self.blocks):
+            w = b.work(batch, tokens, context, decode, kv_bytes, ssm_bytes, act_bytes,
+                       None if routing is None else routing.get(i))
+            total.flops += w.flops
+            total.act += w.act
+            total.state_read += w.state_read
+            total.state_write += w.state_write
+            total.kernels += w.kernels
+            total.weights.update({f"layers.{i}.{k}": v for k, v in w.weights.items()})
+        return total
 
     def check(self):
         out = positive(self, "hidden")

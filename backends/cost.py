@@ -1,0 +1,358 @@
+"""The cost model: prices a Program on a target and a deployment scenario.
+
+Each op reports hardware-independent work (ir/ops: `work`, `state_bytes`); a provider turns work
+into seconds: the analytic roofline for GPUs, or timings measured on this machine for `cpu`.
+Assumptions are listed in docs/cost-model.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+import tomllib
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from pathlib import Path
+
+import torch
+
+from ..errors import PuzzlekitError
+from ..ir import Program
+from .targets import Target, get_target
+
+BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16}  # NVFP4: E4M3 scale per 16
+SCENARIOS_FILE = Path(__file__).with_name("scenarios.toml")
+
+
+# -- scenarios -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Scenario:
+    name: str = "custom"
+    input_len: int = 2048
+    output_len: int = 512
+    rate_floor: float = 0.0  # tokens/s each user must see; 0: no floor
+    context: int = 0  # tokens of state per request; 0: input_len + output_len
+    concurrency: int = 0  # requests to serve at once; 0: as many as fit
+    kv_dtype: str = "bf16"
+    ssm_dtype: str = "fp32"
+    act_dtype: str = "bf16"
+    recipe: str = ""  # weight precisions by recipe name; "": the program's own (bf16 unless quantized)
+    gpus: int = 0  # devices used (tensor parallel); 0: all of the target's
+    memory_reserve: float = 0.1  # fraction of memory kept for activations, workspace, fragmentation
+
+    @property
+    def context_len(self) -> int:
+        return self.context or self.input_len + self.output_len
+
+    def check(self):
+        for k in ("kv_dtype", "ssm_dtype", "act_dtype"):
+            if getattr(self, k) not in BYTES:
+                raise PuzzlekitError(f"scenario {self.name}: {k}={getattr(self, k)!r}; one of {sorted(BYTES)}")
+        if self.recipe and self.recipe not in RECIPES:
+            raise PuzzlekitError(f"scenario {self.name}: unknown recipe {self.recipe!r}; known: {sorted(RECIPES)}")
+        if self.input_len < 1 or self.output_len < 0 or not 0 <= self.memory_reserve < 1:
+            raise PuzzlekitError(f"scenario {self.name}: lengths must be positive and memory_reserve in [0, 1)")
+        return self
+
+
+def scenarios() -> dict[str, Scenario]:
+    raw = tomllib.loads(SCENARIOS_FILE.read_text())
+    return {k: Scenario(name=k, **v) for k, v in raw.items()}
+
+
+def get_scenario(name: str, **overrides) -> Scenario:
+    named = scenarios()
+    if name not in named:
+        raise PuzzlekitError(f"unknown scenario {name!r}; named: {', '.join(named)}")
+    return dataclasses.replace(named[name], **{k: v for k, v in overrides.items() if v is not None}).check()
+
+
+# -- precisions ---------------------------------------------------------------------------------------------------
+#: recipe -> ordered (op kind glob, parameter glob, precision) rules; the last match wins, default bf16
+RECIPES = {
+    "bf16": [],
+    "fp8": [("mamba2", "mixer.*_proj.weight", "fp8"), ("moe", "mixer.*experts*.weight", "fp8"),
+            ("attention", "mixer.*_proj.weight", "fp8"), ("mlp", "mixer.*_proj.weight", "fp8"),
+            ("linear", "mixer.linear.weight", "fp8")],
+    "nvfp4": [("mamba2", "mixer.*_proj.weight", "nvfp4"), ("moe", "mixer.*experts*.weight", "nvfp4"),
+              ("attention", "mixer.*_proj.weight", "nvfp4"), ("mlp", "mixer.*_proj.weight", "nvfp4"),
+              ("linear", "mixer.linear.weight", "nvfp4")],
+    # the public Nemotron-3-Super recipe: routed experts NVFP4; shared experts and Mamba projections FP8
+    "nvfp4-hybrid": [("moe", "mixer.experts.*", "nvfp4"), ("moe", "mixer.shared_experts.*", "fp8"),
+                     ("mamba2", "mixer.in_proj.weight", "fp8"), ("mamba2", "mixer.out_proj.weight", "fp8")],
+}
+
+
+def precision_of(kind: str, param: str, recipe: str, fp32: frozenset) -> str:
+    if param in fp32:
+        return "fp32"
+    out = "bf16"
+    for k, p, prec in RECIPES.get(recipe or "bf16", []):
+        if fnmatch(kind, k) and fnmatch(param, p):
+            out = prec
+    return out
+
+
+# -- providers ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of datasheet peaks a serving engine reaches, and fixed per-kernel and per-step costs."""
+
+    compute: float = 0.6
+    memory: float = 0.8
+    launch_seconds: float = 4e-6  # per kernel launch (a floor for tiny ops)
+    step_overhead_seconds: float = 30e-6  # scheduling, sampling, host work per step
+    allreduce_latency_seconds: float = 8e-6
+
+
+class AnalyticProvider:
+    """Roofline per op: max(compute time, memory time) + launch floor; tensor parallel adds all-reduces."""
+
+    max_batch = 1 << 20
+
+    def __init__(self, target: Target, efficiency: Efficiency | None = None):
+        self.target, self.eff = target, efficiency or Efficiency()
+
+    def op_seconds(self, op, precisions: dict, work, devices: int, act_bytes: float, tokens_out: int) -> float:
+        t, e = self.target, self.eff
+        wbytes = sum(elems * BYTES[precisions.get(k, "bf16")] for k, elems in work.weights.items())
+        total = wbytes + work.act * act_bytes + work.state_read + work.state_write
+        prec = _math_precision(precisions, work, t)
+        seconds = max(work.flops / (t.peak_flops[prec] * e.compute), total / (t.bandwidth * e.memory)) / devices
+        seconds += work.kernels * e.launch_seconds
+        if devices > 1 and op.is_block and op.kind != "noop":  # one all-reduce of the block output
+            msg = tokens_out * op.hidden * act_bytes
+            seconds += 2 * (devices - 1) / devices * msg / t.interconnect_bandwidth + e.allreduce_latency_seconds
+        return seconds
+
+    def step_overhead(self) -> float:
+        return self.eff.step_overhead_seconds
+
+
+def _math_precision(precisions: dict, work, target: Target) -> str:
+    """Matmuls run at the precision of the op's largest weights when the target has it, else bf16."""
+    if not work.weights:
+        return "bf16" if target.supports("bf16") else target.precisions[0]
+    biggest = max(work.weights, key=lambda k: work.weights[k])
+    p = precisions.get(biggest, "bf16")
+    if target.supports(p):
+        return p
+    return "bf16" if target.supports("bf16") else target.precisions[0]
+
+
+class MeasuredProvider:
+    """Times each distinct op variant in isolation on this machine (torch eager, warm-up, median).
+
+    Timings are cached on disk, keyed by op spec, shapes, torch version and thread count. Batches are
+    searched up to `max_batch` (each is a real run).
+    """
+
+    max_batch = 256
+
+    def __init__(self, cache: Path | None = None, repeats: int = 7, warmup: int = 2):
+        self.cache_file = cache or Path(os.environ.get("PUZZLEKIT_CACHE", Path.home() / ".cache" / "puzzlekit")) \
+            / "cpu-op-times.json"
+        self.repeats, self.warmup = repeats, warmup
+        try:
+            self._cache = json.loads(self.cache_file.read_text())
+        except (OSError, ValueError):
+            self._cache = {}
+
+    def _key(self, op, batch, tokens, context, decode) -> str:
+        return json.dumps([op.kind, {k: v for k, v in op.attrs().items() if k != "blocks"},
+                           [b.attrs() for b in getattr(op, "blocks", ())], batch, tokens, context, decode,
+                           torch.__version__, torch.get_num_threads()], sort_keys=True, default=str)
+
+    def op_seconds_at(self, op, batch: int, tokens: int, context: int, decode: bool) -> float:
+        key = self._key(op, batch, tokens, context, decode)
+        if key not in self._cache:
+            self._cache[key] = self._time(op, batch, tokens, context, decode)
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.cache_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self._cache))
+            os.replace(tmp, self.cache_file)
+        return self._cache[key]
+
+    @torch.no_grad()
+    def _time(self, op, batch, tokens, context, decode) -> float:
+        g = torch.Generator().manual_seed(0)
+        m = op.build().eval()
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        if op.kind == "embed":
+            x = torch.randint(0, op.vocab, (batch, tokens), generator=g)
+        elif op.kind == "lm_head":
+            x = torch.randn(batch, 1, op.hidden, generator=g)
+        else:
+            x = torch.randn(batch, tokens, op.hidden, generator=g)
+        if op.kind == "mtp":
+            return 0.0  # not run per step unless drafting (not modelled)
+        state = None
+        if op.is_block and decode and op.state_shapes():
+            state = tuple(torch.randn(*[{"B": batch, "L": context}.get(d, d) for d in shape], generator=g)
+                          for shape in op.state_shapes().values())
+        if op.is_block:
+            def run():
+                return m(x, state, decode)
+        else:
+            def run():
+                return m(x)
+        for _ in range(self.warmup):
+            run()
+        times = []
+        for _ in range(self.repeats):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def step_overhead(self) -> float:
+        return 0.0
+
+
+# -- the report ------------------------------------------------------------------------------------------------------
+@dataclass
+class CostReport:
+    target: str
+    scenario: Scenario
+    params_total: int
+    params_active: int
+    weight_bytes: float
+    state_bytes_per_request: float
+    memory_available_bytes: float
+    max_concurrency: int
+    max_batch: int
+    decode_step_seconds: float
+    decode_step_seconds_batch1: float
+    prefill_seconds: float
+    throughput_tokens_per_second: float
+    by_kind: dict = field(default_factory=dict)
+    infeasible: str = ""
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["scenario"] = dataclasses.asdict(self.scenario)
+        return d
+
+
+class CostModel:
+    """Prices one program on one target and scenario."""
+
+    def __init__(self, prog: Program, target: Target | str, scenario: Scenario, provider=None,
+                 routing: dict | None = None):
+        self.prog = prog
+        self.target = get_target(target) if isinstance(target, str) else target
+        self.scenario = scenario.check()
+        self.devices = scenario.gpus or self.target.devices
+        if self.devices > self.target.devices:
+            raise PuzzlekitError(f"scenario asks for {self.devices} GPUs; target {self.target.name} has "
+                                 f"{self.target.devices}")
+        if self.target.kind == "cpu" and provider is None:
+            provider = MeasuredProvider()
+        self.provider = provider or AnalyticProvider(self.target)
+        self.routing = routing if routing is not None else prog.meta.get("routing", {})
+        s = self.scenario
+        self.act_b, self.kv_b, self.ssm_b = BYTES[s.act_dtype], BYTES[s.kv_dtype], BYTES[s.ssm_dtype]
+        self.precisions = {n.path: self._precisions(n) for n in prog.nodes}
+        self._memo: dict = {}  # identical layers (same spec, precisions, routing) are priced once per shape
+
+    def _precisions(self, node) -> dict:
+        op = node.op
+        if op.kind == "mtp":
+            inner = {f"layers.{i}.{k}": v for i, b in enumerate(op.blocks) for k, v in self._op_precisions(b).items()}
+            return {k: inner.get(k, "bf16") for k in op.params()}
+        if op.kind == "lm_head" and op.tied:
+            return {"weight": "bf16"}
+        return self._op_precisions(op)
+
+    def _op_precisions(self, op) -> dict:
+        fp32 = op.fp32_params()
+        return {k: precision_of(op.kind, k, self.scenario.recipe, fp32) for k in op.params()}
+
+    # memory
+    def weight_bytes(self) -> float:
+        return sum(math.prod(shape) * BYTES[self.precisions[n.path][k]]
+                   for n in self.prog.nodes for k, shape in n.op.params().items())
+
+    def state_bytes_per_request(self, context: int | None = None) -> float:
+        c = self.scenario.context_len if context is None else context
+        return sum(n.op.state_bytes(self.kv_b, self.ssm_b, self.act_b, c) for n in self.prog.nodes)
+
+    def memory_available(self) -> float:
+        return self.target.memory_bytes * self.devices * (1 - self.scenario.memory_reserve) - self.weight_bytes()
+
+    # time
+    def _seconds(self, batch: int, tokens: int, context: int, decode: bool) -> tuple[float, dict]:
+        per_kind: dict[str, float] = {}
+        total = self.provider.step_overhead()
+        for n in self.prog.nodes:
+            if n.op.kind == "mtp":
+                continue  # the head is kept for drafting; plain decoding does not run it
+            routing = self.routing.get(n.path)
+            key = (n.op, tuple(self.precisions[n.path].items()), None if routing is None else tuple(routing),
+                   batch, tokens, context, decode)
+            if key not in self._memo:
+                self._memo[key] = self._op_seconds(n.op, self.precisions[n.path], routing, batch, tokens, context, decode)
+            sec = self._memo[key]
+            per_kind[n.op.kind] = per_kind.get(n.op.kind, 0.0) + sec
+            total += sec
+        return total, per_kind
+
+    def _op_seconds(self, op, precisions, routing, batch, tokens, context, decode) -> float:
+        if isinstance(self.provider, MeasuredProvider):
+            return self.provider.op_seconds_at(op, batch, tokens, context, decode)
+        w = op.work(batch, tokens, context, decode, self.kv_b, self.ssm_b, self.act_b, routing)
+        out_tokens = batch * tokens if op.is_block else batch
+        return self.provider.op_seconds(op, precisions, w, self.devices, self.act_b, out_tokens)
+
+    def decode_step_seconds(self, batch: int, context: int | None = None) -> float:
+        return self._seconds(batch, 1, self.scenario.context_len if context is None else context, True)[0]
+
+    def prefill_seconds(self, tokens: int | None = None, batch: int = 1) -> float:
+        return self._seconds(batch, tokens or self.scenario.input_len, 0, False)[0]
+
+    def report(self) -> CostReport:
+        s = self.scenario
+        counts = self.prog.param_counts()
+        wbytes, state = self.weight_bytes(), self.state_bytes_per_request()
+        avail = self.memory_available()
+        max_conc = int(max(0, avail) // state) if state > 0 else (10**9 if avail > 0 else 0)
+        limit = min(max_conc, s.concurrency) if s.concurrency else max_conc
+        ok = (lambda b: True) if s.rate_floor <= 0 else (lambda b: 1.0 / self.decode_step_seconds(b) >= s.rate_floor)
+        best, infeasible = 0, ""
+        if limit < 1:
+            infeasible = (f"memory: weights need {wbytes / 1e9:.1f} GB and one request's state "
+                          f"{state / 1e9:.2f} GB; {self.target.memory_bytes * self.devices * (1 - s.memory_reserve) / 1e9:.1f}"
+                          f" GB usable on {self.devices}x{self.target.name.split('x')[-1]}")
+        elif not ok(1):
+            infeasible = (f"rate floor: {s.rate_floor:g} tokens/s per user wanted, batch 1 reaches "
+                          f"{1 / self.decode_step_seconds(1):.1f}")
+        else:
+            lo, hi = 1, min(limit, self.provider.max_batch)
+            while lo < hi:  # decode time grows with the batch: the largest batch meeting the floor
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+            best = lo
+        b = max(best, 1)
+        step, per_kind_decode = self._seconds(b, 1, s.context_len, True)
+        prefill, per_kind_prefill = self._seconds(1, s.input_len, 0, False)
+        by_kind = {}
+        for n in self.prog.nodes:
+            k = by_kind.setdefault(n.op.kind, {"count": 0, "weight_bytes": 0.0, "state_bytes_per_request": 0.0})
+            k["count"] += 1
+            k["weight_bytes"] += sum(math.prod(sh) * BYTES[self.precisions[n.path][p]] for p, sh in n.op.params().items())
+            k["state_bytes_per_request"] += n.op.state_bytes(self.kv_b, self.ssm_b, self.act_b, s.context_len)
+        for kind, v in by_kind.items():
+            v["decode_seconds"] = per_kind_decode.get(kind, 0.0)
+            v["prefill_seconds"] = per_kind_prefill.get(kind, 0.0)
+        return CostReport(self.target.name, s, counts["total"], counts["active"], wbytes, state, avail, max_conc, best,
+                          step, self.decode_step_seconds(1), prefill, best / step if best else 0.0, by_kind, infeasible)
+
+
+def cost(prog: Program, target: str | Target, scenario: str | Scenario, provider=None, **overrides) -> CostReport:
+    """One call: `cost(prog, "h100", "long-1m", recipe="fp8").max_concurrency`."""
+    sc = get_scenario(scenario, **overrides) if isinstance(scenario, str) else dataclasses.replace(scenario, **overrides)
+    return CostModel(prog, target, sc, provider).report()
