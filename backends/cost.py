@@ -12,11 +12,11 @@ import math
 import os
 import statistics
 import time
-import tomllib
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 
+import tomllib
 import torch
 
 from ..errors import PuzzlekitError

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from puzzlekit.backends.cost import CostModel, MeasuredProvider, Scenario
 from puzzlekit.backends.torch import materialize
 from puzzlekit.tools.default_model import load_default

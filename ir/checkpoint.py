@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from .ops import MLP, MTP, OPS, Attention, Embed, LMHead, Mamba2, MoE, Norm, OpSpec
+from .ops.base import QUANT_FORMATS
 from .program import Node, Program
 from .verifier import problems
 from .weights import WeightStore
@@ -54,7 +55,7 @@ def _uniform_spec(kind: str, cfg: dict, src: Path) -> OpSpec:
 
 
 def _uniform(kind: str, cfg: dict, src: Path) -> OpSpec:
-    g = lambda k: _need(cfg, k, src)  # noqa: E731
+    g = lambda k: _need(cfg, k, src)
     hidden, eps = g("hidden_size"), cfg.get("layer_norm_epsilon", 1e-5)
     if kind == "mamba2":
         return Mamba2(hidden, g("mamba_num_heads"), g("mamba_head_dim"), g("ssm_state_size"), g("n_groups"),
@@ -110,6 +111,8 @@ def _spec_from_dict(d: dict, where: str) -> OpSpec:
 def _spec_to_dict(op: OpSpec) -> dict:
     d = {"block_type": op.kind}
     for k, v in op.attrs().items():
+        if k == "quant" and not v:
+            continue
         d[k] = [_spec_to_dict(b) for b in v] if k == "blocks" else v
     return d
 
@@ -215,6 +218,10 @@ def load(path, check_finite: bool = False) -> Program:
         return meta_weights(prog, dtype)
     for f in files:
         prog.weights.add_safetensors(f)
+    for n in prog.nodes:
+        for local, fmt in n.op.quant:
+            if f"{n.path}.{local}_scale" in prog.weights:
+                prog.weights.group_quantized(f"{n.path}.{local}", QUANT_FORMATS.get(fmt, ("?",))[0], dtype)
     found = problems(prog, check_finite)
     if found:
         raise CheckpointError(f"checkpoint {path} does not match its config:\n  " + "\n  ".join(found))
@@ -247,8 +254,32 @@ def config_of(prog: Program) -> dict:
         "num_nextn_predict_layers": len(mtp),
         "block_configs": [_spec_to_dict(b.op) for b in prog.blocks()],
         "mtp": _spec_to_dict(mtp[0].op) if mtp else None,
+        **({"quantization_config": quantization_config(prog)} if any(n.op.quant for n in prog.nodes) else {}),
         **({"provenance": prog.meta["provenance"]} if prog.meta.get("provenance") else {}),
     }
+
+
+def quantization_config(prog: Program) -> dict:
+    """The serving engines' quantization config: algorithm per quantised module, group size, exclusions."""
+    layers, algos, excluded = {}, set(), []
+    for n in prog.nodes:
+        quant = dict(n.op.quant)
+        for local, shape in n.op.params().items():
+            if len(shape) != 2 or local.endswith("norm.weight"):
+                continue
+            module = f"{n.path}.{local.rsplit('.', 1)[0]}" if "." in local else n.path
+            fmt = quant.get(local)
+            if fmt is None:
+                excluded.append(module)
+                continue
+            algo = {"fp8": "FP8", "fp8-weight": "FP8_WEIGHT_ONLY", "nvfp4": "NVFP4",
+                    "nvfp4-weight": "NVFP4_WEIGHT_ONLY"}[fmt]
+            algos.add(algo)
+            layers[module] = {"quant_algo": algo, **({"group_size": 16} if fmt.startswith("nvfp4") else {})}
+    return {"quant_method": "modelopt", "producer": "puzzlekit",
+            "quant_algo": algos.pop() if len(algos) == 1 else "MIXED_PRECISION",
+            "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": sorted(excluded),
+            "quantized_layers": layers}
 
 
 def _atomic_dir(path: Path, overwrite: bool, inputs: set[Path]):
@@ -270,6 +301,16 @@ def _umask() -> int:
     return mask
 
 
+def _stored_tensors(name: str, value) -> dict:
+    """A weight as the serving layout stores it: quantised ones as values + `_scale` (+ `_scale_2`)."""
+    if isinstance(value, torch.Tensor):
+        return {name: value.contiguous()}
+    out = {name: value.data.contiguous(), name + "_scale": value.scale.contiguous()} if value.format == "fp8" else {
+        name: value.data.contiguous(), name + "_scale": value.block_scale.contiguous(),
+        name + "_scale_2": value.global_scale.reshape(()).contiguous()}
+    return out
+
+
 def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> Path:
     """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`), atomically.
 
@@ -279,7 +320,7 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
     path = Path(path)
     cfg = config_of(prog)
     w = prog.weights
-    names = [f"{n.path}.{k}" for n in prog.nodes for k in n.op.params()]
+    names = [f"{n.path}.{k}" for n in prog.nodes for k in n.op.stored_params()]
     metas = [k for k in names if w.is_meta(k)]
     if metas and len(metas) != len(names):
         raise CheckpointError(f"save: {len(metas)} tensors are meta (e.g. {metas[0]}) and the rest real; "
@@ -299,11 +340,15 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
             shards.append(cur)
             fname = (lambda i: "model.safetensors") if len(shards) == 1 else \
                 (lambda i: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+            weight_map = {}
             for i, shard in enumerate(shards):
-                save_file({k: w.get(k).contiguous() for k in shard}, str(tmp / fname(i)), metadata={"format": "pt"})
+                tensors = {}
+                for k in shard:
+                    tensors.update(_stored_tensors(k, w.get(k)))
+                weight_map.update(dict.fromkeys(tensors, fname(i)))
+                save_file(tensors, str(tmp / fname(i)), metadata={"format": "pt"})
             if len(shards) > 1:
-                index = {"metadata": {"total_size": sum(w.nbytes(k) for k in names)},
-                         "weight_map": {k: fname(i) for i, s in enumerate(shards) for k in s}}
+                index = {"metadata": {"total_size": sum(w.nbytes(k) for k in names)}, "weight_map": weight_map}
                 (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for f in tmp.iterdir():
             f.chmod(0o666 & ~_umask())

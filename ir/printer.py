@@ -25,6 +25,12 @@ def format_attrs(op: OpSpec) -> str:
             items[f.name] = v
         if op.kind == "mtp":
             items["pattern"] = op.pattern
+        if op.quant:
+            items.pop("quant", None)
+            counts: dict[str, int] = {}
+            for _, fmt in op.quant:
+                counts[fmt] = counts.get(fmt, 0) + 1
+            items["quant"] = ",".join(f"{f}x{c}" for f, c in sorted(counts.items()))
     else:
         items = op.attrs()
     return "{" + ", ".join(f"{k}={_value(v)}" for k, v in items.items()) + "}"

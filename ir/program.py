@@ -78,7 +78,7 @@ class Program:
         idx = self.nodes.index(old)
         new = Node(old.name, op or old.op, old.args, old.path)
         given = dict(weights or {})
-        old_shapes, new_shapes = old.op.params(), new.op.params()
+        old_shapes, new_shapes = old.op.stored_params(), new.op.stored_params()
         extra = sorted(set(given) - set(new_shapes))
         if extra:
             raise RewriteError(f"{old.path} ({new.op.kind}): weights {extra} are not parameters of the new spec")
@@ -87,6 +87,8 @@ class Program:
                 if tuple(given[local].shape) != tuple(shape):
                     raise RewriteError(f"{old.path}: weight {local!r} has shape {list(given[local].shape)}, "
                                        f"the new {new.op.kind} spec needs {list(shape)}")
+            elif dict(old.op.quant).get(local) != dict(new.op.quant).get(local):
+                raise RewriteError(f"{old.path}: {local!r} changes its quantization; pass the new tensor in `weights=`")
             elif old_shapes.get(local) != shape:
                 raise RewriteError(f"{old.path}: the new {new.op.kind} spec needs {local!r} with shape "
                                    f"{list(shape)}; pass it in `weights=`")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import VerifyError
+from .ops.base import QUANT_FORMATS
 from .program import Program
 
 
@@ -49,10 +50,15 @@ def _weight_problems(prog: Program, check_finite: bool) -> list[str]:
     out, owned = [], set()
     w = prog.weights
     for n in prog.nodes:
-        for local, shape in n.op.params().items():
+        quant = dict(n.op.quant)
+        for local, shape in n.op.stored_params().items():
             full = f"{n.path}.{local}"
             owned.add(full)
-            if full not in w:
+            want = QUANT_FORMATS[quant[local]][0] if quant.get(local) in QUANT_FORMATS else None
+            if full in w and w.format(full) != want:
+                out.append(f"node %{n.name} ({n.path}, {n.op.kind}): weight {local!r} is stored as "
+                           f"{w.format(full) or 'unquantised'} but the spec's quant says {want or 'unquantised'}")
+            elif full not in w:
                 out.append(f"node %{n.name} ({n.path}, {n.op.kind}): weight {local!r} is missing")
             elif tuple(w.shape(full)) != tuple(shape):
                 out.append(f"node %{n.name} ({n.path}, {n.op.kind}): weight {local!r} has shape "
@@ -62,6 +68,7 @@ def _weight_problems(prog: Program, check_finite: bool) -> list[str]:
                            f"{str(w.dtype(full)).replace('torch.', '')}; a floating-point type is needed")
             elif check_finite and not w.is_meta(full) and w.dtype(full).is_floating_point:
                 t = w.get(full)
+                t = t.dequantize() if w.is_quantized(full) else t
                 if not bool(torch.isfinite(t.float() if t.dtype.itemsize == 1 else t).all()):
                     out.append(f"node %{n.name} ({n.path}, {n.op.kind}): weight {local!r} has NaN or inf values")
     out += [f"weight {k!r} belongs to no node" for k in sorted(set(w.names()) - owned)]

@@ -1,7 +1,7 @@
 """Built-in passes and analyses."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from ..ir import Program, print_program, verify
 from ..ir.ops import Noop

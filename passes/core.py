@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from ..errors import PuzzlekitError
 from ..ir import Program
@@ -146,6 +147,7 @@ class AnalysisManager:
         self._cache: dict[tuple, Any] = {}
         self.snapshots: dict[str, Program] = {}
         self.computed: list[str] = []  # every computation, in order (for instrumentation and tests)
+        self.reports: dict[str, dict] = {}  # what passes measured (e.g. quantize's KL), by pass name
 
     def get(self, name: str, **options):
         if name not in ANALYSES:

@@ -60,7 +60,7 @@ def _coerce(raw, tp, where: str):
         return [_coerce(r, elem, where) for r in raw]
     if isinstance(raw, list):
         raise PassError(f"{where}: expected {type_name(tp)}, got a list")
-    s, quoted = raw
+    s = raw
     try:
         if tp is bool:
             if s.lower() in ("true", "1", "yes"):
@@ -161,8 +161,8 @@ class _Parser:
             if self.pos >= len(self.text):
                 self.fail("unterminated string", start)
             self.pos += 1
-            return ("".join(buf), True)
-        return (self.token("a value")[0], False)
+            return "".join(buf)
+        return self.token("a value")[0]
 
     def pipeline(self, closing: str = "") -> list[Pass]:
         passes = [self.element()]

@@ -6,6 +6,7 @@ import math
 import torch
 from torch import nn
 
+from ...ir.ops.base import QUANT_FORMATS
 from ...ir.ops.io import TiedHead
 from ...ir.program import Program
 from ...ir.weights import WeightStore
@@ -83,14 +84,39 @@ class ProgramModule(nn.Module):
 
 
 def load_weights(module: ProgramModule, weights: WeightStore | None = None) -> ProgramModule:
-    """Copies the store's tensors into the module (casting only the dtype the module computes in)."""
+    """Copies the store's tensors into the module. Quantised weights are dequantised (fake quantization)
+    and the inputs of weights with an activation format are quantised-dequantised at run time."""
     w = weights or module.program.weights
     own = module.state_dict()
     missing = sorted(set(own) - set(w.names()))
     if missing:
         raise KeyError(f"the weight store lacks {missing[:3]}")
-    module.load_state_dict({k: w.get(k) for k in own}, strict=True, assign=True)
+    module.load_state_dict({k: _dense(w.get(k)) for k in own}, strict=True, assign=True)
+    for n in module.program.nodes:
+        for local, fmt in n.op.quant:
+            act = QUANT_FORMATS[fmt][1]
+            if act:
+                scale = w.get(f"{n.path}.{local.rsplit('.', 1)[0]}.input_scale")
+                _quantize_input(module, f"{n.path}.{local.rsplit('.', 1)[0]}", act, scale)
     return module
+
+
+def _dense(t):
+    return t if isinstance(t, torch.Tensor) else t.dequantize()
+
+
+def _quantize_input(root: nn.Module, path: str, fmt: str, scale: torch.Tensor) -> None:
+    from ...passes.quant.formats import fake_quantize
+
+    if ".experts." in path:  # routed experts run inside their mixer: one scale per side, the largest
+        mixer_path, rest = path.split(".experts.", 1)
+        side = "up" if rest.endswith("up_proj") else "down"
+        mixer = root.get_submodule(mixer_path)
+        acts = mixer.__dict__.setdefault("expert_act", {})
+        old = acts.get(side, (fmt, scale))[1]
+        acts[side] = (fmt, torch.maximum(old, scale))
+        return
+    root.get_submodule(path).register_forward_pre_hook(lambda m, args: (fake_quantize(args[0], fmt, scale),))
 
 
 def materialize(prog: Program, dtype: torch.dtype | None = None) -> ProgramModule:

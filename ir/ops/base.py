@@ -10,10 +10,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+#: quantization formats: name -> (weight format, activation format or None)
+QUANT_FORMATS = {"fp8": ("fp8", "fp8"), "fp8-weight": ("fp8", None), "nvfp4": ("nvfp4", "nvfp4"),
+                 "nvfp4-weight": ("nvfp4", None)}
+
 
 @dataclass(frozen=True)
 class OpSpec:
-    """An immutable, typed description of one node; subclasses add their attributes as fields."""
+    """An immutable, typed description of one node; subclasses add their attributes as fields.
+
+    `quant` records which 2-D weights are quantised and how: ((parameter, format), ...), sorted.
+    """
+
+    quant: tuple = dataclasses.field(default=(), kw_only=True)
 
     kind: ClassVar[str] = ""
     #: roles of the node's inputs: "hidden" ([B, T, hidden] float) or "ids" ([B, T] integer)
@@ -23,6 +32,7 @@ class OpSpec:
 
     def __post_init__(self):
         """Attributes must have their declared types (ints stay ints, floats accept ints)."""
+        object.__setattr__(self, "quant", tuple(sorted((str(k), str(v)) for k, v in dict(self.quant).items())))
         for f in fields(self):
             v, t = getattr(self, f.name), f.type
             if t == "int" and (not isinstance(v, int) or isinstance(v, bool)):
@@ -45,6 +55,15 @@ class OpSpec:
         """Local parameter names (relative to the node path) and their shapes."""
         return {}
 
+    def stored_params(self) -> dict[str, tuple[int, ...]]:
+        """params() plus the static activation scale (`<module>.input_scale`, a scalar) of every weight
+        whose format quantises its input."""
+        p = dict(self.params())
+        for k, fmt in self.quant:
+            if QUANT_FORMATS.get(fmt, (None, None))[1]:
+                p[k.rsplit(".", 1)[0] + ".input_scale"] = ()
+        return p
+
     def active_params(self) -> int:
         """Parameters touched per token (differs from the total only for routed experts)."""
         return sum(math.prod(s) for s in self.params().values())
@@ -62,6 +81,14 @@ class OpSpec:
     def check(self) -> list[tuple[str, str]]:
         """Inconsistencies as (attribute, message); empty when the spec is sound."""
         out = []
+        shapes = self.params()
+        for k, fmt in self.quant:
+            if fmt not in QUANT_FORMATS:
+                out.append(("quant", f"{k}: unknown format {fmt!r}; known: {', '.join(QUANT_FORMATS)}"))
+            elif k not in shapes or len(shapes[k]) != 2:
+                out.append(("quant", f"{k}: not a 2-D parameter of this op"))
+            elif fmt.startswith("nvfp4") and shapes[k][1] % 16:
+                out.append(("quant", f"{k}: NVFP4 needs its input dimension {shapes[k][1]} to be a multiple of 16"))
         for f in fields(self):
             v = getattr(self, f.name)
             if f.type in ("int",) and isinstance(v, int) and not isinstance(v, bool) and v < 0:

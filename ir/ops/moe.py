@@ -134,19 +134,38 @@ class MoEMixer(nn.Module):
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return chosen, w * s.scaling
 
+    def _act(self, side: str, x):
+        """Fake-quantises the routed experts' inputs when the program quantises their activations."""
+        acts = self.__dict__.get("expert_act")
+        if not acts or side not in acts:
+            return x
+        from ...passes.quant.formats import fake_quantize
+
+        fmt, scale = acts[side]
+        return fake_quantize(x, fmt, scale)
+
+    def _record(self, h, a, routed):
+        stats = self.__dict__["calib"]
+        up = (h.abs().amax(-1, keepdim=True) * routed).amax(0).float()  # [E]
+        down = (a.abs().amax(-1) * routed).amax(0).float()
+        for side, v in (("up", up), ("down", down)):
+            stats[side] = torch.maximum(stats[side], v) if side in stats else v
+
     def forward(self, x, decode: bool = False):
         s = self.spec
         flat = x.reshape(-1, s.hidden)
         chosen, w = self.route(flat)
-        h = self.fc1_latent_proj(flat) if s.latent else flat
+        h = self._act("up", self.fc1_latent_proj(flat) if s.latent else flat)
         up = torch.stack([e.up_proj.weight for e in self.experts])  # [E, d_ff, width]
         down = torch.stack([e.down_proj.weight for e in self.experts])  # [E, width, d_ff]
         if decode:
-            a = relu2(torch.einsum("nw,nkfw->nkf", h, up[chosen]))
+            a = self._act("down", relu2(torch.einsum("nw,nkfw->nkf", h, up[chosen])))
             y = torch.einsum("nkf,nkwf,nk->nw", a, down[chosen], w.to(h.dtype))
         else:
             mix = torch.zeros(flat.shape[0], s.experts, dtype=h.dtype, device=h.device).scatter(1, chosen, w.to(h.dtype))
-            a = relu2(torch.einsum("nw,efw->nef", h, up))
+            a = self._act("down", relu2(torch.einsum("nw,efw->nef", h, up)))
+            if "calib" in self.__dict__:  # activation calibration: per expert, over the tokens routed to it
+                self._record(h, a, mix != 0)
             y = torch.einsum("nef,ewf,ne->nw", a, down, mix)
         if s.latent:
             y = self.fc2_latent_proj(y)

@@ -1,0 +1,91 @@
+"""Quantization: FP8 and NVFP4 formats, calibration, recipes, the `quantize` pass and checkpoint export."""
+from __future__ import annotations
+
+import enum
+import sys
+from dataclasses import field
+
+import torch
+
+from ..core import Pass, PassError, Preserved, register
+from ..manager import progress
+from .calibrate import activation_amax, input_scale, quantize_weight
+from .export import quantize_checkpoint
+from .formats import FP8Tensor, NVFP4Tensor, QuantError, dequantize_any, fake_quantize, quantize_fp8, quantize_nvfp4
+from .recipe import FORMATS, RECIPES, Recipe, Rule, get_recipe
+
+__all__ = [
+    "FORMATS",
+    "RECIPES",
+    "FP8Tensor",
+    "NVFP4Tensor",
+    "QuantError",
+    "Quantize",
+    "Recipe",
+    "Rule",
+    "dequantize_any",
+    "fake_quantize",
+    "get_recipe",
+    "quantize_checkpoint",
+    "quantize_fp8",
+    "quantize_nvfp4",
+    "quantize_weight",
+]
+
+
+class Calib(enum.Enum):
+    amax = "amax"
+    mse = "mse"
+
+
+def calibration_windows(data: list[str], samples: int, seq: int) -> torch.Tensor:
+    from ...data import load_corpus, sequential_windows
+
+    return sequential_windows(load_corpus(data or None).valid, seq, limit=samples)
+
+
+@register("quantize")
+class Quantize(Pass):
+    """Quantise weights (and calibrate static activation scales) by a recipe; report KL to the original."""
+
+    recipe: str = "fp8"
+    calib: Calib = Calib.amax
+    samples: int = 16  # calibration windows
+    seq: int = 128  # tokens per window
+    target: str = ""  # refuse a recipe this GPU cannot run (e.g. W4A4 NVFP4 on h100)
+    data: list[str] = field(default_factory=list)  # calibration text (default: the Python stdlib)
+
+    def run(self, prog, am):
+        from ...backends.targets import get_target
+        from ...backends.torch import materialize
+        from ...evaluate import teacher_agreement
+
+        recipe = get_recipe(self.recipe)
+        recipe.check_target(get_target(self.target) if self.target else None)
+        plan = recipe.assign(prog)
+        if not plan:
+            return Preserved.all()
+        if prog.is_meta:
+            raise PassError("quantize needs real weights; this program has meta tensors only")
+        windows = calibration_windows(self.data, self.samples, self.seq)
+        teacher = materialize(prog)
+        act_modules = [f"{path}.{local.rsplit('.', 1)[0]}" for path, params in plan.items()
+                       for local, fmt in params.items() if FORMATS[fmt][1]]
+        amax = activation_amax(teacher, act_modules, windows.split(4)) if act_modules else {}
+        for path, params in progress(plan.items(), am, "quantize", total=len(plan)):
+            node = prog.node(path)
+            new = {}
+            for local, fmt in params.items():
+                new[local] = quantize_weight(prog.weights.get(f"{path}.{local}"), FORMATS[fmt][0], self.calib.value,
+                                             name=f"{path}.{local}")
+                act = FORMATS[fmt][1]
+                if act:
+                    module = f"{path}.{local.rsplit('.', 1)[0]}"
+                    new[f"{local.rsplit('.', 1)[0]}.input_scale"] = input_scale(amax[module], act)
+            prog.rewrite(node, op=node.op.replace(quant=dict(node.op.quant) | params), weights=new)
+        report = {"recipe": self.recipe, "calib": self.calib.value, "weights": sum(len(p) for p in plan.values()),
+                  **teacher_agreement(teacher, materialize(prog), windows)}
+        am.reports["quantize"] = report
+        print(f"quantize{{recipe={self.recipe}}}: {report['weights']} weights; KL to the original "
+              f"{report['kl']:.5f} nats/token, top-1 agreement {report['top1_agreement']:.4f}", file=sys.stderr)
+        return Preserved.none()

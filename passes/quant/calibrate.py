@@ -1,0 +1,90 @@
+"""Calibration: weight scales by amax or by an MSE search, activation amax from calibration batches."""
+from __future__ import annotations
+
+import torch
+
+from .formats import (
+    FP8_MAX,
+    NVFP4_BLOCK,
+    FP8Tensor,
+    NVFP4Tensor,
+    fp8_scale,
+    nvfp4_block_scale,
+    nvfp4_global_scale,
+    quantize_fp8,
+    quantize_nvfp4,
+)
+
+#: multipliers of the amax-derived scale tried by the MSE search (below 1 clips outliers for finer steps)
+MSE_RATIOS = torch.cat([torch.tensor([1.0]), torch.linspace(0.5, 1.2, 36)])  # 1.0 first: never worse than amax
+
+
+def quantize_weight(w: torch.Tensor, fmt: str, method: str = "amax", name: str = "tensor") -> FP8Tensor | NVFP4Tensor:
+    """Quantises one weight; `method` is "amax" (scale from the largest value) or "mse"."""
+    if fmt.startswith("fp8"):
+        if method == "amax":
+            return quantize_fp8(w, name=name)
+        base, best, err = fp8_scale(w), None, None
+        for r in MSE_RATIOS:
+            q = quantize_fp8(w, scale=base * r, name=name)
+            e = (q.dequantize(torch.float32) - w.float()).pow(2).sum()
+            if err is None or e < err:
+                best, err = q, e
+        return best
+    if method == "amax":
+        return quantize_nvfp4(w, name=name)
+    # per block: try scaled block scales, keep the one with the smallest block error
+    q = quantize_nvfp4(w, name=name)
+    s2 = nvfp4_global_scale(w)
+    blocks = w.float().reshape(*w.shape[:-1], -1, NVFP4_BLOCK)
+    best_sb, best_err = q.block_scale, None
+    for r in MSE_RATIOS:
+        sb = nvfp4_block_scale(w, s2, float(r))
+        cand = quantize_nvfp4(w, block_scale=sb, global_scale=s2, name=name)
+        err = (cand.dequantize(torch.float32).reshape(blocks.shape) - blocks).pow(2).sum(-1)
+        if best_err is None:
+            best_sb, best_err = sb, err
+        else:
+            better = err < best_err
+            best_sb = torch.where(better, sb.view(torch.uint8), best_sb.view(torch.uint8)).view(torch.float8_e4m3fn)
+            best_err = torch.minimum(err, best_err)
+    return quantize_nvfp4(w, block_scale=best_sb, global_scale=s2, name=name)
+
+
+def input_scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The static activation scale: amax / 448 for FP8, the global scale amax / (6 * 448) for NVFP4."""
+    amax = torch.as_tensor(amax, dtype=torch.float32).clamp(min=1e-12)
+    return (amax / FP8_MAX if fmt == "fp8" else amax / (6.0 * FP8_MAX)).reshape(())
+
+
+@torch.no_grad()
+def activation_amax(model, module_paths: list[str], batches) -> dict[str, torch.Tensor]:
+    """Largest |input| seen by each module (routed experts: over the tokens routed to them)."""
+    amax: dict[str, torch.Tensor] = {}
+    hooks, mixers = [], {}
+    for path in module_paths:
+        if ".experts." in path:
+            mixer_path = path.split(".experts.", 1)[0]
+            mixers.setdefault(mixer_path, model.get_submodule(mixer_path))
+            continue
+
+        def hook(m, args, path=path):
+            a = args[0].detach().abs().amax().float()
+            amax[path] = torch.maximum(amax.get(path, a), a)
+
+        hooks.append(model.get_submodule(path).register_forward_pre_hook(hook))
+    for m in mixers.values():
+        m.__dict__["calib"] = {}
+    try:
+        for ids in batches:
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    for mixer_path, m in mixers.items():
+        stats = m.__dict__.pop("calib")
+        for j in range(m.spec.experts):
+            for side, key in (("up", "up_proj"), ("down", "down_proj")):
+                if side in stats:
+                    amax[f"{mixer_path}.experts.{j}.{key}"] = stats[side][j]
+    return amax
