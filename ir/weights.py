@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+import json
 
 from ..errors import CheckpointError
 
@@ -51,6 +51,36 @@ class _Lazy:
     key: str
     shape: tuple
     dtype: torch.dtype
+    start: int  # byte range in the file
+    end: int
+
+    def read(self) -> torch.Tensor:
+        """Reads just this tensor with plain file IO: no memory map, so memory is bounded by the tensor."""
+        buf = bytearray(self.end - self.start)
+        if not buf:
+            return torch.empty(self.shape, dtype=self.dtype)
+        with open(self.file, "rb") as f:
+            f.seek(self.start)
+            if f.readinto(buf) != len(buf):
+                raise CheckpointError(f"{self.file}: tensor {self.key!r} is cut short; the file is truncated")
+        return torch.frombuffer(buf, dtype=self.dtype).reshape(self.shape)
+
+
+def read_safetensors_header(file: Path) -> tuple[dict, int]:
+    """The header (name -> dtype, shape, data_offsets) and where the data starts."""
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            size = file.stat().st_size
+            if not 2 <= n <= size - 8:
+                raise ValueError(f"header length {n} does not fit a file of {size} bytes")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e}); re-save it or re-download it") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: the safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    return header, 8 + n
 
 
 class WeightStore:
@@ -58,7 +88,6 @@ class WeightStore:
 
     def __init__(self):
         self._entries: dict[str, torch.Tensor | _Lazy] = {}
-        self._handles: dict[Path, object] = {}
 
     # -- building ---------------------------------------------------------------------------------
     def set(self, name: str, tensor) -> None:
@@ -81,19 +110,21 @@ class WeightStore:
 
     def add_safetensors(self, file: Path) -> list[str]:
         """Registers every tensor of a safetensors file lazily; returns their names."""
-        try:
-            handle = safe_open(str(file), framework="pt")
-        except Exception as e:  # safetensors raises its own types for truncated or bad headers
-            raise CheckpointError(f"{file}: not a readable safetensors file ({e}); re-save it or re-download it") from None
-        self._handles[Path(file)] = handle
-        names = list(handle.keys())
-        for k in names:
-            sl = handle.get_slice(k)
-            dtype = _DTYPES.get(sl.get_dtype())
+        file = Path(file)
+        header, base = read_safetensors_header(file)
+        size = file.stat().st_size
+        for k, info in header.items():
+            try:
+                dtype, shape, (start, end) = _DTYPES.get(info["dtype"]), tuple(info["shape"]), info["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{file}: header entry {k!r} is malformed") from None
             if dtype is None:
-                raise CheckpointError(f"{file}: tensor {k!r} has unsupported dtype {sl.get_dtype()}")
-            self._entries[k] = _Lazy(Path(file), k, tuple(sl.get_shape()), dtype)
-        return names
+                raise CheckpointError(f"{file}: tensor {k!r} has unsupported dtype {info['dtype']}")
+            if end - start != math.prod(shape) * dtype.itemsize or base + end > size:
+                raise CheckpointError(f"{file}: tensor {k!r} ({info['dtype']} {list(shape)}) does not fit its byte "
+                                      f"range; the file is truncated or corrupt")
+            self._entries[k] = _Lazy(file, k, shape, dtype, base + start, base + end)
+        return list(header)
 
     def delete(self, name: str) -> None:
         del self._entries[name]
@@ -102,7 +133,6 @@ class WeightStore:
         """A shallow copy: tensors are shared (treat them as immutable), the name table is not."""
         w = WeightStore()
         w._entries = dict(self._entries)
-        w._handles = self._handles
         return w
 
     # -- reading ----------------------------------------------------------------------------------
@@ -141,13 +171,13 @@ class WeightStore:
         """The tensor, or the quantised weight object (read from disk if lazy)."""
         e = self._entries[name]
         if isinstance(e, _Lazy):
-            return self._handles[e.file].get_tensor(e.key)
+            return e.read()
         if isinstance(e, Deferred):
             return e.compute()
         if isinstance(e, _LazyQuant):
             from ..passes.quant.formats import FP8Tensor, NVFP4Tensor
 
-            t = {r: self._handles[p.file].get_tensor(p.key) for r, p in e.parts.items()}
+            t = {r: p.read() for r, p in e.parts.items()}
             if e.format.startswith("nvfp4"):
                 return NVFP4Tensor(t["data"], t["scale"], t["scale_2"], e.dtype)
             return FP8Tensor(t["data"], t["scale"], e.dtype)

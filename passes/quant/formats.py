@@ -17,10 +17,11 @@ from ...errors import PuzzlekitError
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
+CHUNK_ELEMENTS = 1 << 21  # elements rounded at a time (keeps temporaries small for huge tensors)
 #: E2M1 code -> value (bit 3 is the sign)
 E2M1_VALUES = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # midpoints between magnitudes
-_ODD_BOUNDS = torch.tensor([0.75, 1.75, 3.5])  # ties that round up to the even neighbour
+#: midpoints between magnitudes after the first, and whether a tie rounds up to the even neighbour
+_E2M1_MIDPOINTS = ((0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
 class QuantError(PuzzlekitError):
@@ -79,11 +80,11 @@ def quantize_fp8(w: torch.Tensor, axis: int | None = None, scale: torch.Tensor |
 # -- E2M1 -------------------------------------------------------------------------------------------------------
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Rounds to the nearest E2M1 value (ties to even, saturating at 6) and returns 4-bit codes (uint8)."""
-    sign = (x < 0).to(torch.uint8)
     mag = x.abs()
-    idx = torch.searchsorted(_E2M1_BOUNDS, mag.contiguous(), out_int32=True).to(torch.uint8)
-    tie_up = (mag.unsqueeze(-1) == _ODD_BOUNDS).any(-1).to(torch.uint8)
-    return (sign << 3) + idx + tie_up
+    idx = (mag > 0.25).to(torch.uint8)  # count the midpoints below: ">" rounds a tie down, ">=" up (to even)
+    for bound, up in _E2M1_MIDPOINTS:
+        idx += (mag >= bound) if up else (mag > bound)
+    return idx | ((x < 0).to(torch.uint8) << 3)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -119,15 +120,23 @@ class NVFP4Tensor:
         return self.data.numel() + self.block_scale.numel() + 4
 
 
-def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
-    s2 = w.abs().amax().float() / (E2M1_MAX * FP8_MAX)
+def _block_amax(w: torch.Tensor) -> torch.Tensor:
+    return w.reshape(*w.shape[:-1], -1, NVFP4_BLOCK).abs().amax(-1)
+
+
+def nvfp4_global_scale(w: torch.Tensor, block_amax: torch.Tensor | None = None) -> torch.Tensor:
+    amax = (w.abs() if block_amax is None else block_amax).amax().float()
+    s2 = amax / (E2M1_MAX * FP8_MAX)
     return torch.where(s2 == 0, torch.ones_like(s2), s2)
 
 
-def nvfp4_block_scale(w: torch.Tensor, s2: torch.Tensor, ratio: torch.Tensor | float = 1.0) -> torch.Tensor:
+def nvfp4_block_scale(w: torch.Tensor, s2: torch.Tensor, ratio: torch.Tensor | float = 1.0,
+                      block_amax: torch.Tensor | None = None) -> torch.Tensor:
     """E4M3 block scales: amax(block) / (6 * s2) (times `ratio`, for calibration), clamped to [2^-9, 448]."""
-    amax = w.reshape(*w.shape[:-1], -1, NVFP4_BLOCK).abs().amax(-1).float()
-    sb = amax / (E2M1_MAX * s2) * ratio
+    amax = (_block_amax(w) if block_amax is None else block_amax).float()
+    sb = amax / (E2M1_MAX * s2)
+    if not isinstance(ratio, float) or ratio != 1.0:
+        sb = sb * ratio
     sb = torch.where(sb == 0, torch.ones_like(sb), sb)
     return sb.clamp(min=2.0**-9, max=FP8_MAX).to(torch.float8_e4m3fn)
 
@@ -135,15 +144,23 @@ def nvfp4_block_scale(w: torch.Tensor, s2: torch.Tensor, ratio: torch.Tensor | f
 def quantize_nvfp4(w: torch.Tensor, block_scale: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
                    name: str = "tensor") -> NVFP4Tensor:
     """NVFP4 along the last dimension, which must be a multiple of 16."""
-    _check(w, name)
+    if not w.dtype.is_floating_point:
+        _check(w, name)
     if w.shape[-1] % NVFP4_BLOCK:
         raise QuantError(f"{name}: its input dimension {w.shape[-1]} is not a multiple of {NVFP4_BLOCK}; "
                          "NVFP4 needs whole blocks of 16 (keep this tensor in FP8 or BF16)")
-    s2 = nvfp4_global_scale(w) if global_scale is None else global_scale.float()
-    sb = nvfp4_block_scale(w, s2) if block_scale is None else block_scale
-    blocks = w.reshape(*w.shape[:-1], -1, NVFP4_BLOCK)
-    scaled = (blocks / (sb.float() * s2).unsqueeze(-1)).reshape(w.shape)
-    return NVFP4Tensor(pack_fp4(e2m1_codes(scaled)), sb, s2, w.dtype)
+    bamax = _block_amax(w)
+    if not bool(torch.isfinite(bamax).all()):  # NaN and inf survive amax: one cheap check
+        _check(w, name)
+    s2 = nvfp4_global_scale(w, bamax) if global_scale is None else global_scale.float()
+    sb = nvfp4_block_scale(w, s2, block_amax=bamax) if block_scale is None else block_scale
+    rows = w.reshape(-1, w.shape[-1])
+    scale = (sb.float() * s2).reshape(rows.shape[0], -1, 1)
+    step = max(1, CHUNK_ELEMENTS // rows.shape[1])  # rows per chunk: bounds the temporaries of rounding
+    packed = torch.cat([pack_fp4(e2m1_codes((rows[i:i + step].reshape(-1, rows.shape[1] // NVFP4_BLOCK, NVFP4_BLOCK)
+                                             / scale[i:i + step]).reshape(-1, rows.shape[1])))
+                        for i in range(0, rows.shape[0], step)])
+    return NVFP4Tensor(packed.reshape(*w.shape[:-1], -1), sb, s2, w.dtype)
 
 
 def dequantize_any(t, dtype: torch.dtype | None = None) -> torch.Tensor:
