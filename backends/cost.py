@@ -13,7 +13,6 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from fnmatch import fnmatch
 from pathlib import Path
 
 import tomllib
@@ -23,7 +22,8 @@ from ..errors import PuzzlekitError
 from ..ir import Program
 from .targets import Target, get_target
 
-BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16}  # NVFP4: E4M3 scale per 16
+BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16,  # NVFP4: E4M3 scale per 16
+         "fp8-weight": 1.0, "nvfp4-weight": 0.5 + 1 / 16}
 SCENARIOS_FILE = Path(__file__).with_name("scenarios.toml")
 
 
@@ -51,8 +51,11 @@ class Scenario:
         for k in ("kv_dtype", "ssm_dtype", "act_dtype"):
             if getattr(self, k) not in BYTES:
                 raise PuzzlekitError(f"scenario {self.name}: {k}={getattr(self, k)!r}; one of {sorted(BYTES)}")
-        if self.recipe and self.recipe not in RECIPES:
-            raise PuzzlekitError(f"scenario {self.name}: unknown recipe {self.recipe!r}; known: {sorted(RECIPES)}")
+        if self.recipe:
+            from ..passes.quant.recipe import RECIPES
+
+            if self.recipe not in RECIPES:
+                raise PuzzlekitError(f"scenario {self.name}: unknown recipe {self.recipe!r}; known: {sorted(RECIPES)}")
         if self.input_len < 1 or self.output_len < 0 or not 0 <= self.memory_reserve < 1:
             raise PuzzlekitError(f"scenario {self.name}: lengths must be positive and memory_reserve in [0, 1)")
         return self
@@ -71,29 +74,21 @@ def get_scenario(name: str, **overrides) -> Scenario:
 
 
 # -- precisions ---------------------------------------------------------------------------------------------------
-#: recipe -> ordered (op kind glob, parameter glob, precision) rules; the last match wins, default bf16
-RECIPES = {
-    "bf16": [],
-    "fp8": [("mamba2", "mixer.*_proj.weight", "fp8"), ("moe", "mixer.*experts*.weight", "fp8"),
-            ("attention", "mixer.*_proj.weight", "fp8"), ("mlp", "mixer.*_proj.weight", "fp8"),
-            ("linear", "mixer.linear.weight", "fp8")],
-    "nvfp4": [("mamba2", "mixer.*_proj.weight", "nvfp4"), ("moe", "mixer.*experts*.weight", "nvfp4"),
-              ("attention", "mixer.*_proj.weight", "nvfp4"), ("mlp", "mixer.*_proj.weight", "nvfp4"),
-              ("linear", "mixer.linear.weight", "nvfp4")],
-    # the public Nemotron-3-Super recipe: routed experts NVFP4; shared experts and Mamba projections FP8
-    "nvfp4-hybrid": [("moe", "mixer.experts.*", "nvfp4"), ("moe", "mixer.shared_experts.*", "fp8"),
-                     ("mamba2", "mixer.in_proj.weight", "fp8"), ("mamba2", "mixer.out_proj.weight", "fp8")],
-}
+#: math precision of a weight format: weight-only formats compute in BF16
+MATH = {"fp8-weight": "bf16", "nvfp4-weight": "bf16"}
 
 
-def precision_of(kind: str, param: str, recipe: str, fp32: frozenset) -> str:
-    if param in fp32:
+def precision_of(path: str, param: str, op, recipe: str = "") -> str:
+    """A parameter's storage precision: a recipe's format when one is named, else the program's own."""
+    if param in op.fp32_params():
         return "fp32"
-    out = "bf16"
-    for k, p, prec in RECIPES.get(recipe or "bf16", []):
-        if fnmatch(kind, k) and fnmatch(param, p):
-            out = prec
-    return out
+    if recipe:
+        from ..passes.quant.recipe import get_recipe
+
+        fmt = get_recipe(recipe).format_of(path, param)
+    else:
+        fmt = dict(op.quant).get(param, "none")
+    return "bf16" if fmt == "none" else fmt
 
 
 # -- providers ------------------------------------------------------------------------------------------------------
@@ -138,6 +133,7 @@ def _math_precision(precisions: dict, work, target: Target) -> str:
         return "bf16" if target.supports("bf16") else target.precisions[0]
     biggest = max(work.weights, key=lambda k: work.weights[k])
     p = precisions.get(biggest, "bf16")
+    p = MATH.get(p, p)
     if target.supports(p):
         return p
     return "bf16" if target.supports("bf16") else target.precisions[0]
@@ -261,16 +257,9 @@ class CostModel:
 
     def _precisions(self, node) -> dict:
         op = node.op
-        if op.kind == "mtp":
-            inner = {f"layers.{i}.{k}": v for i, b in enumerate(op.blocks) for k, v in self._op_precisions(b).items()}
-            return {k: inner.get(k, "bf16") for k in op.params()}
         if op.kind == "lm_head" and op.tied:
             return {"weight": "bf16"}
-        return self._op_precisions(op)
-
-    def _op_precisions(self, op) -> dict:
-        fp32 = op.fp32_params()
-        return {k: precision_of(op.kind, k, self.scenario.recipe, fp32) for k in op.params()}
+        return {k: precision_of(node.path, k, op, self.scenario.recipe) for k in op.params()}
 
     # memory
     def weight_bytes(self) -> float:

@@ -142,6 +142,17 @@ def test_recipes_shrink_weights():
     assert b["bf16"] == pytest.approx(2 * 120.67e9 + 2 * 2.94e9, rel=0.01)  # trunk + MTP head, router in FP32
 
 
+def test_a_quantized_program_costs_like_its_recipe():
+    from puzzlekit.passes import PassManager
+    from puzzlekit.tools.default_model import load_default
+    prog = load_default()
+    named = cost(prog, "b200", "chat", recipe="nvfp4-hybrid")
+    PassManager("quantize{recipe=nvfp4-hybrid,samples=2,seq=32}").run(prog)
+    own = cost(prog, "b200", "chat")
+    assert own.weight_bytes == named.weight_bytes < cost(load_default(), "b200", "chat").weight_bytes
+    assert own.decode_step_seconds == named.decode_step_seconds
+
+
 def _program(top_k=2, state=16, hidden=64):
     blocks = [Mamba2(hidden, 4, 16, state, 2), MoE(hidden, 8, top_k, 128, 64), Attention(hidden, 4, 2, 16)]
     return ir.meta_weights(ir.assemble(Embed(256, hidden), blocks, Norm(hidden), LMHead(256, hidden),

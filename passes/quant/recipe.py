@@ -57,6 +57,7 @@ def _rules(*triples) -> tuple[Rule, ...]:
 
 _LINEARS = ("mixer.*_proj.weight", "mixer.experts.*.weight", "mixer.shared_experts.*.weight", "mixer.linear.weight")
 RECIPES = {
+    "bf16": Recipe("bf16", _rules()),  # nothing quantised
     "fp8": Recipe("fp8", _rules(*(("backbone.layers.*", p, "fp8") for p in _LINEARS))),
     "nvfp4": Recipe("nvfp4", _rules(*(("backbone.layers.*", p, "nvfp4") for p in _LINEARS))),
     "nvfp4-weight": Recipe("nvfp4-weight", _rules(*(("backbone.layers.*", p, "nvfp4-weight") for p in _LINEARS))),
