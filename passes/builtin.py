@@ -14,13 +14,58 @@ def param_counts(prog: Program, am: AnalysisManager) -> dict:
     return prog.param_counts()
 
 
+@analysis("routing")
+def routing_stats(prog: Program, am: AnalysisManager, samples: int = 16, seq: int = 128) -> dict:
+    """Per MoE node (trunk and MTP head): how often each expert is chosen per token (sums to top_k),
+    measured on held-out text."""
+    import torch
+
+    from ..backends.torch import materialize
+    from .quant import calibration_windows
+
+    model = materialize(prog)
+    counts: dict[str, torch.Tensor] = {}
+    hooks = []
+    for path, m in model.named_modules():
+        if hasattr(m, "route"):
+            def hook(mod, args, out, path=path):
+                chosen = out[0]
+                c = torch.bincount(chosen.reshape(-1), minlength=mod.spec.experts).float() / chosen.shape[0]
+                counts[path] = counts.get(path, 0) + c
+            hooks.append(_wrap_route(m, hook))
+    batches = list(calibration_windows([], samples, seq).split(4))
+    try:
+        with torch.no_grad():
+            for ids in batches:
+                model(ids)
+    finally:
+        for undo in hooks:
+            undo()
+    return {p.removesuffix(".mixer"): (c / len(batches)).tolist() for p, c in counts.items()}
+
+
+def _wrap_route(mixer, hook):
+    """Calls `hook(mixer, args, result)` after every routing decision; returns the undo function."""
+    original = mixer.route
+
+    def route(*args):
+        out = original(*args)
+        hook(mixer, args, out)
+        return out
+
+    mixer.route = route
+    return lambda: mixer.__dict__.pop("route", None)
+
+
 @analysis("cost", depends=("structure",))
 def cost_analysis(prog: Program, am: AnalysisManager, target: str = "h100", scenario: str = "decode-heavy",
-                  recipe: str = "") -> dict:
-    """The cost model's report (backends/cost.py) for a target and a named scenario."""
-    from ..backends.cost import cost
+                  recipe: str = "", measured_routing: bool = False) -> dict:
+    """The cost model's report (backends/cost.py) for a target and a named scenario; with
+    measured_routing, MoE decode reads the experts the `routing` analysis saw being chosen."""
+    from ..backends.cost import CostModel, get_scenario
 
-    return cost(prog, target, scenario, recipe=recipe or None).to_json()
+    routing = {k: v for k, v in am.get("routing").items() if not k.startswith("mtp")} if measured_routing else None
+    return CostModel(prog, target, get_scenario(scenario, recipe=recipe or None), routing=routing).report().to_json()
 
 
 @register("verify")

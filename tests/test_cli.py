@@ -113,3 +113,17 @@ def test_readme_plugin_example_runs(tmp_path):
         assert all(n.op.top_k == 1 for n in prog.blocks("moe"))
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_cost_json_has_the_documented_keys(capsys):
+    cfg = ROOT.parent / "shared" / "configs" / "nemotron-3-nano-30b-a3b.config.json"
+    if not cfg.exists():
+        pytest.skip("shared configs not present")
+    assert main(["cost", str(cfg), "--target", "h100", "--scenario", "long-1m", "--recipe", "fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for k in ("params_total", "params_active", "weight_bytes", "state_bytes_per_request", "max_concurrency",
+              "max_batch", "decode_step_seconds", "prefill_seconds", "throughput_tokens_per_second"):
+        assert k in out
+    assert out["scenario"]["kv_dtype"] == "fp8" and out["by_kind"]["moe"]["count"] == 23
+    assert main(["cost", "--target", "h300"]) == 1
+    assert "unknown target 'h300'" in capsys.readouterr().err

@@ -231,3 +231,25 @@ def test_cost_analysis_in_the_pass_manager():
     PassManager("drop-blocks{layers=[1]}").run(prog, am)
     assert am.get("cost", target="h100", scenario="chat")["weight_bytes"] < first["weight_bytes"]
     assert math.isfinite(first["decode_step_seconds"])
+
+
+def test_measured_routing_statistics_feed_the_cost():
+    from puzzlekit.passes import AnalysisManager
+    from puzzlekit.tools.default_model import load_default
+    prog = load_default()
+    am = AnalysisManager(prog)
+    routing = am.get("routing", samples=4, seq=64)
+    moe_paths = [n.path for n in prog.blocks("moe")]
+    assert set(moe_paths) <= set(routing)
+    for p in moe_paths:
+        assert sum(routing[p]) == pytest.approx(2.0) and len(routing[p]) == 8  # top-2 of 8
+    assert am.get("cost", target="h100", scenario="chat", measured_routing=True)["max_batch"] > 0
+    # skewed routing touches fewer distinct experts at small batches than uniform routing would
+    sc = get_scenario("chat")
+    uniform = CostModel(prog, "h100", sc, routing={})
+    measured = CostModel(prog, "h100", sc, routing={p: routing[p] for p in moe_paths})
+    assert max(routing[moe_paths[0]]) > min(routing[moe_paths[0]])
+    bytes_read = [sum(sum(n.op.work(4, 1, 64, True, 2.0, 4.0, 2.0, r).weights.values()) for n in prog.blocks("moe"))
+                  for r in (None, routing[moe_paths[0]])]
+    assert bytes_read[1] < bytes_read[0]
+    assert measured.decode_step_seconds(4) < uniform.decode_step_seconds(4)
