@@ -33,7 +33,7 @@ def routing_stats(prog: Program, am: AnalysisManager, samples: int = 16, seq: in
                 c = torch.bincount(chosen.reshape(-1), minlength=mod.spec.experts).float() / chosen.shape[0]
                 counts[path] = counts.get(path, 0) + c
             hooks.append(_wrap_route(m, hook))
-    batches = list(calibration_windows([], samples, seq).split(4))
+    batches = list(calibration_windows([], samples, seq, prog).split(4))
     try:
         with torch.no_grad():
             for ids in batches:

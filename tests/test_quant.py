@@ -260,3 +260,12 @@ def test_streamed_checkpoint_quantization_equals_in_memory(base, tmp_path):
             assert torch.equal(a.data, b.data) and torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
     with pytest.raises(QuantError, match="pass its activation amax"):
         quantize_checkpoint(tmp_path / "src", tmp_path / "dst2", "nvfp4")
+
+
+def test_activation_fake_quant_equals_quantize_then_dequantize():
+    from puzzlekit.passes.quant import fake_quantize
+    x = torch.randn(3, 5, 64) * 3
+    x[0, 0, :16] = 0
+    s = torch.tensor(0.02)
+    assert torch.equal(fake_quantize(x, "fp8", s), quantize_fp8(x, scale=s).dequantize())
+    assert torch.equal(fake_quantize(x, "nvfp4", s), quantize_nvfp4(x, global_scale=s).dequantize())

@@ -194,6 +194,63 @@ def _cost(args) -> int:
     return 0
 
 
+def _export_onnx(args) -> int:
+    from .. import ir
+    from ..backends.onnx import export_onnx
+    from .default_model import model_path
+
+    src = model_path(args.model).resolve()
+    if Path(args.output).resolve() == src:
+        raise UsageError("the output directory is the input checkpoint; choose another -o")
+    prog = ir.verify(_model(args))
+    rep = export_onnx(prog, args.output, target=args.target, opset=args.opset, overwrite=args.overwrite,
+                      provenance={"input": str(src), "versions": _versions()})
+    lines = [f"wrote {rep.directory}: {', '.join(rep.files)}"]
+    errors = [f for f in rep.findings if f.severity == "error"]
+    lines.append(f"TensorRT lint for {args.target}: {len(errors)} error(s), {len(rep.findings) - len(errors)} note(s)")
+    lines += [f"  {f}" for f in rep.findings if f.severity == "error" or args.verbose]
+    _emit(args, rep.to_json(), "\n".join(lines) + "\n")
+    return 0
+
+
+def _generate(args) -> int:
+    import numpy as np
+    import torch
+
+    from .. import ir
+    from ..backends.torch import materialize
+
+    prog = ir.verify(_model(args))
+    vocab = prog.find("embed")[0].op.vocab
+    if vocab != 256:
+        raise UsageError(f"generate encodes the prompt as bytes: it needs a byte-level model (vocab 256, not {vocab})")
+    prompt = np.frombuffer(args.prompt.encode(), dtype=np.uint8).astype(np.int64)[None]
+    if prompt.size == 0:
+        raise UsageError("the prompt is empty")
+    if args.backend == "onnx":
+        import tempfile
+
+        from ..backends.onnx import OnnxModel, export_onnx
+
+        with tempfile.TemporaryDirectory() as d:
+            export_onnx(prog, Path(d) / "onnx")
+            tokens = OnnxModel(Path(d) / "onnx").generate(prompt, args.max_new_tokens)
+    else:
+        m = materialize(prog)
+        seq = torch.from_numpy(prompt)
+        with torch.no_grad():
+            (logits, *_), state = m.prefill(seq)
+            for _ in range(args.max_new_tokens):
+                nxt = logits[:, -1].argmax(-1)
+                seq = torch.cat([seq, nxt[:, None]], dim=1)
+                (logits, *_), state = m.decode(nxt, state)
+        tokens = seq.numpy()
+    text = bytes(tokens[0, prompt.shape[1]:].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+    _emit(args, {"prompt": args.prompt, "completion": text, "tokens": tokens[0].tolist(), "backend": args.backend},
+          args.prompt + text + "\n")
+    return 0
+
+
 # -- wiring --------------------------------------------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="puzzlekit", description="A compiler for hybrid Mamba/MoE/attention LMs.")
@@ -249,10 +306,26 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--concurrency", type=int, help="requests served at once (default: as many as fit)")
     c.set_defaults(run=_cost)
 
+    x = sub.add_parser("export-onnx", help="lower a model to prefill/decode ONNX graphs, linted for TensorRT")
+    x.add_argument("model", nargs="?", help=model_help)
+    x.add_argument("--output", "-o", required=True, help="output directory")
+    x.add_argument("--target", default="cpu", help="b200, h100, ... (TensorRT lint; errors fail) or cpu")
+    x.add_argument("--opset", type=int, default=23)
+    x.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    x.add_argument("--verbose", action="store_true", help="list every lint note, not just errors")
+    x.set_defaults(run=_export_onnx)
+
+    g = sub.add_parser("generate", help="greedy generation from a text prompt (byte-level models)")
+    g.add_argument("model", nargs="?", help=model_help)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--backend", choices=["torch", "onnx"], default="torch")
+    g.set_defaults(run=_generate)
+
     for cmd in (s, r):
         cmd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                          help="import MODULE first (it may register passes); repeatable")
-    for cmd in (i, s, r, t, e, c):
+    for cmd in (i, s, r, t, e, c, x, g):
         cmd.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return p
 

@@ -47,6 +47,9 @@ class ProgramModule(nn.Module):
             if n.op.kind == "mtp":
                 m.bind(by_kind["embed"], by_kind["lm_head"])
         self.state_names = [f"{n.path}.{k}" for n, _ in self._nodes for k in n.op.state_shapes()]
+        #: return states in one memory layout whatever the prompt length (torch.export guards on strides);
+        #: the ONNX exporter turns it off (layouts do not exist there and it cannot lower stride queries)
+        self.contiguous_state = True
 
     def _run(self, ids, state, decode, keep=()):
         env = {self.program.inputs[0]: ids}
@@ -57,7 +60,7 @@ class ProgramModule(nn.Module):
                 cnt = len(n.op.state_shapes())
                 past = None if state is None or not cnt else tuple(state[i:i + cnt])
                 out, st = m(*args, past, decode)
-                new_state += [t.contiguous() for t in st]  # one layout whatever the prompt length
+                new_state += [t.contiguous() for t in st] if self.contiguous_state else list(st)
                 i += cnt
             else:
                 out = m(*args)

@@ -38,10 +38,14 @@ class Calib(enum.Enum):
     mse = "mse"
 
 
-def calibration_windows(data: list[str], samples: int, seq: int) -> torch.Tensor:
+def calibration_windows(data: list[str], samples: int, seq: int, prog=None) -> torch.Tensor:
+    """Byte-level windows from the training split (evaluation scores the held-out split)."""
     from ...data import load_corpus, sequential_windows
 
-    return sequential_windows(load_corpus(data or None).valid, seq, limit=samples)
+    if prog is not None and prog.find("embed") and prog.find("embed")[0].op.vocab < 256:
+        raise PassError(f"calibration text is byte-level (256 symbols) but this model's vocabulary is "
+                        f"{prog.find('embed')[0].op.vocab}")
+    return sequential_windows(load_corpus(data or None).train, seq, limit=samples)
 
 
 @register("quantize")
@@ -67,7 +71,7 @@ class Quantize(Pass):
             return Preserved.all()
         if prog.is_meta:
             raise PassError("quantize needs real weights; this program has meta tensors only")
-        windows = calibration_windows(self.data, self.samples, self.seq)
+        windows = calibration_windows(self.data, self.samples, self.seq, prog)
         teacher = materialize(prog)
         act_modules = [f"{path}.{local.rsplit('.', 1)[0]}" for path, params in plan.items()
                        for local, fmt in params.items() if FORMATS[fmt][1]]

@@ -168,11 +168,19 @@ def dequantize_any(t, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t if isinstance(t, torch.Tensor) else t.dequantize(dtype)
 
 
-def fake_quantize(x: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantise-dequantise (for activations at run time): FP8 with a static scale, NVFP4 with dynamic
-    block scales under a calibrated global scale."""
+def fake_quantize(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor:
+    """Quantise-dequantise activations at run time: FP8 with a static scale, NVFP4 with dynamic block
+    scales under a calibrated global scale. Plain tensor ops with no checks or loops, so it exports;
+    the arithmetic is that of quantize_fp8 / quantize_nvfp4 followed by dequantize."""
     if fmt == "fp8":
-        return quantize_fp8(x, scale=scale, name="activation").dequantize(x.dtype)
-    if fmt == "nvfp4":
-        return quantize_nvfp4(x, global_scale=scale, name="activation").dequantize(x.dtype)
-    raise QuantError(f"unknown format {fmt!r}")
+        s = scale.to(x.dtype)
+        return (x / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * s
+    if fmt != "nvfp4":
+        raise QuantError(f"unknown format {fmt!r}")
+    s2 = scale.float()
+    blocks = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
+    sb = blocks.abs().amax(-1, keepdim=True).float() / (E2M1_MAX * s2)
+    sb = torch.where(sb == 0, torch.ones_like(sb), sb).clamp(min=2.0**-9, max=FP8_MAX)
+    sb = sb.to(torch.float8_e4m3fn).float()
+    vals = E2M1_VALUES.to(x.device)[e2m1_codes(blocks / (sb * s2)).long()]
+    return (vals * (sb * s2)).reshape(x.shape).to(x.dtype)

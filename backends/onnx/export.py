@@ -1,0 +1,181 @@
+"""Lowering: a Program becomes two ONNX graphs with explicit decode state, validated before they are kept.
+
+prefill.onnx: input_ids [batch, sequence] -> logits, (mtp_logits), present.<state>...
+decode.onnx:  input_ids [batch, 1], past.<state>... -> logits, (mtp_logits), present.<state>...
+States (ProgramModule.state_names): conv and SSM state per Mamba block, K and V per attention block
+([batch, kv_heads, past_sequence, head_dim]), the MTP head's own. Weights are external data; the
+program text, state names and provenance are in the model metadata.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from ...errors import PuzzlekitError
+from ...ir import Program, print_program
+from ..torch import ProgramModule, materialize
+
+PREFILL, DECODE = "prefill.onnx", "decode.onnx"
+
+
+class ExportError(PuzzlekitError):
+    """An export failed, or produced a graph that the target cannot build."""
+
+
+class _Prefill(nn.Module):
+    def __init__(self, m: ProgramModule):
+        super().__init__()
+        self.m = m
+
+    def forward(self, input_ids):
+        outs, state = self.m.prefill(input_ids)
+        return (*outs, *state)
+
+
+class _Decode(nn.Module):
+    def __init__(self, m: ProgramModule):
+        super().__init__()
+        self.m = m
+
+    def forward(self, input_ids, *past):
+        outs, state = self.m.decode(input_ids, past)
+        return (*outs, *state)
+
+
+@dataclass
+class ExportReport:
+    directory: Path
+    files: list[str]
+    findings: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"directory": str(self.directory), "files": self.files,
+                "findings": [f.to_json() for f in self.findings]}
+
+
+def _is_kv(name: str) -> bool:
+    return name.endswith((".k", ".v"))
+
+
+def _name_dims(model: onnx.ModelProto, names: dict[tuple[str, int], str]) -> None:
+    """Gives the dynamic dimensions meaningful names (batch, sequence, past_sequence) everywhere."""
+    rename = {}
+    for vi in model.graph.input:
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+            new = names.get((vi.name, axis))
+            if new and d.dim_param:
+                rename[d.dim_param] = new
+    for vi in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param in rename:
+                d.dim_param = rename[d.dim_param]
+
+
+def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, opset: int) -> onnx.ModelProto:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.onnx.export(module, args, input_names=input_names, output_names=output_names,
+                                        dynamic_shapes=dynamic, dynamo=True, opset_version=opset, verbose=False,
+                                        optimize=False)  # keeps parameter names (quantized lowering finds them)
+        except Exception as e:  # the exporter raises many types; say which graph failed
+            raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    return program.model_proto
+
+
+def _optimize(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxscript's optimizer (constant folding, Split instead of sequences), after the quantized lowering
+    so that weights keep their names until then; large constants such as dequantized weights stay unfolded."""
+    import onnxscript.optimizer
+
+    return onnxscript.optimizer.optimize(model)
+
+
+def _save(model: onnx.ModelProto, path: Path, threshold: int = 1024) -> None:
+    """Writes `path` with initializers of `threshold` bytes or more in `path.data` (small constants such as
+    axes and shapes stay inline, where shape inference reads them)."""
+    data = path.with_name(path.name + ".data")
+    with open(data, "wb") as f:
+        for t in model.graph.initializer:
+            if t.HasField("raw_data") and len(t.raw_data) >= threshold:
+                offset = f.tell()
+                f.write(t.raw_data)
+                t.ClearField("raw_data")
+                t.data_location = onnx.TensorProto.EXTERNAL
+                del t.external_data[:]
+                for k, v in (("location", data.name), ("offset", str(offset)), ("length", str(f.tell() - offset))):
+                    t.external_data.add(key=k, value=v)
+    onnx.save_model(model, str(path))
+
+
+def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwrite: bool = False,
+                provenance: dict | None = None) -> ExportReport:
+    """Writes prefill.onnx and decode.onnx (+ external data) into `out`, atomically.
+
+    Both graphs pass onnx.checker (full check) and the TensorRT lint for `target`; an error-level
+    finding fails the export for a GPU target.
+    """
+    from ..targets import get_target
+    from .lint import lint
+    from .quant import lower_quantized
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"{out} exists and is not empty; pass overwrite=True or choose another directory")
+    tgt = get_target(target)
+    module = materialize(prog)
+    module.contiguous_state = False
+    states = module.state_names
+    outs = list(prog.outputs)
+    meta = {"puzzlekit.program": print_program(prog), "puzzlekit.state_names": json.dumps(states),
+            "puzzlekit.outputs": json.dumps(outs), "puzzlekit.provenance": json.dumps(provenance or {})}
+    D = torch.export.Dim.DYNAMIC
+    ids = torch.randint(0, 2, (2, 7))
+    with torch.no_grad():
+        _, past = module.prefill(ids)
+    graphs = {
+        PREFILL: _export(_Prefill(module), (ids,), ["input_ids"], outs + [f"present.{s}" for s in states],
+                         ({0: D, 1: D},), opset),
+        DECODE: _export(_Decode(module), (ids[:, :1].clone(), *past), ["input_ids"] + [f"past.{s}" for s in states],
+                        outs + [f"present.{s}" for s in states],
+                        ({0: D}, tuple({0: D, 2: D} if _is_kv(s) else {0: D} for s in states)), opset),
+    }
+    _name_dims(graphs[PREFILL], {("input_ids", 0): "batch", ("input_ids", 1): "sequence"})
+    _name_dims(graphs[DECODE], {("input_ids", 0): "batch", **{(f"past.{s}", 0): "batch" for s in states},
+                                **{(f"past.{s}", 2): "past_sequence" for s in states if _is_kv(s)}})
+    findings = []
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if out.parent.exists() else None))
+    try:
+        for name, model in graphs.items():
+            lower_quantized(model, prog, module)
+            model = graphs[name] = _optimize(model)
+            for k, v in meta.items():
+                model.metadata_props.add(key=k, value=v)
+            path = tmp / name
+            _save(model, path)
+            try:
+                onnx.checker.check_model(str(path), full_check=True)
+            except onnx.checker.ValidationError as e:
+                raise ExportError(f"{name} fails onnx.checker: {str(e).splitlines()[0]}") from None
+            findings += [f.where(name) for f in lint(onnx.load(str(path), load_external_data=False), tgt)]
+        errors = [f for f in findings if f.severity == "error"]
+        if errors and tgt.kind == "gpu":
+            raise ExportError(f"the export cannot be built by TensorRT for {tgt.name}:\n  "
+                              + "\n  ".join(str(f) for f in errors))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportReport(out, sorted(p.name for p in out.iterdir()), findings)

@@ -1,0 +1,62 @@
+"""Quantized weights in ONNX, in the patterns TensorRT expects.
+
+FP8: a float8 initializer -> DequantizeLinear(scale). NVFP4: an FP4 initializer -> DequantizeLinear
+(block_size=16, axis=-1) whose scale is DequantizeLinear(E4M3 block scales, FP32 tensor scale).
+The exported graph first holds each quantised weight as its dequantised float initializer; lowering
+replaces that initializer by the pattern producing the same values.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from ...ir import Program
+
+
+def _initializer(name: str, t: torch.Tensor, onnx_type: int | None = None) -> onnx.TensorProto:
+    if onnx_type is None:
+        return numpy_helper.from_array(t.detach().float().numpy() if t.dtype != torch.int64 else t.numpy(), name)
+    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+    shape = list(t.shape)
+    return helper.make_tensor(name, onnx_type, shape, raw, raw=True)
+
+
+def lower_quantized(model: onnx.ModelProto, prog: Program, module) -> None:
+    """Replaces the float initializers of quantised weights with their Q/DQ patterns, in place."""
+    quantized = {f"{n.path}.{k}": fmt for n in prog.nodes for k, fmt in n.op.quant}
+    if not quantized:
+        return
+    graph = model.graph
+    keep, new_nodes = [], []
+    for init in graph.initializer:
+        param = init.name.removeprefix("m.")
+        if param not in quantized:
+            keep.append(init)
+            continue
+        q = prog.weights.get(param)
+        base = init.name
+        if q.format == "fp8":
+            keep += [_initializer(f"{base}.q", q.data, TensorProto.FLOAT8E4M3FN),
+                     _initializer(f"{base}.scale", q.scale.reshape(-1) if q.scale.numel() > 1 else q.scale.reshape(()))]
+            attrs = {"axis": 0} if q.scale.numel() > 1 else {}
+            new_nodes.append(helper.make_node("DequantizeLinear", [f"{base}.q", f"{base}.scale"], [base],
+                                              name=f"{base}.dq", **attrs))
+        else:
+            codes = q.data  # packed E2M1, low nibble first: ONNX's FLOAT4E2M1 layout
+            fp4 = helper.make_tensor(f"{base}.q", TensorProto.FLOAT4E2M1, list(q.shape), codes.numpy().tobytes(),
+                                     raw=True)
+            keep += [fp4, _initializer(f"{base}.block_scale", q.block_scale, TensorProto.FLOAT8E4M3FN),
+                     _initializer(f"{base}.global_scale", q.global_scale.reshape(()))]
+            new_nodes += [
+                helper.make_node("DequantizeLinear", [f"{base}.block_scale", f"{base}.global_scale"],
+                                 [f"{base}.scale"], name=f"{base}.dq_scale"),
+                helper.make_node("DequantizeLinear", [f"{base}.q", f"{base}.scale"], [base], name=f"{base}.dq",
+                                 axis=-1, block_size=16),
+            ]
+    graph.ClearField("initializer")
+    graph.initializer.extend(keep)
+    nodes = list(graph.node)
+    graph.ClearField("node")
+    graph.node.extend(new_nodes + nodes)

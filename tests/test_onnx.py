@@ -1,0 +1,161 @@
+"""ONNX lowering: onnxruntime against torch, greedy generation, checker, TensorRT lint, quantized patterns."""
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+
+from puzzlekit import ir
+from puzzlekit.backends.onnx import DECODE, PREFILL, ExportError, OnnxModel, export_onnx, lint
+from puzzlekit.backends.targets import TARGETS
+from puzzlekit.backends.torch import materialize, random_weights
+from puzzlekit.ir.ops import MLP, MTP, Attention, Embed, Linear, LMHead, Mamba2, MoE, Noop, Norm
+from puzzlekit.passes import PassManager
+from puzzlekit.tools.default_model import load_default
+
+
+def every_kind_program():
+    h = 32
+    blocks = [Mamba2(h, 4, 8, 8, 2, chunk=4), MoE(h, 4, 2, 16, 16, latent=16, scaling=2.0), Attention(h, 4, 2, 8),
+              MLP(h, 48), Noop(h), Linear(h), MoE(h, 4, 1, 16, 0)]
+    mtp = MTP(h, (Attention(h, 4, 2, 8), MoE(h, 4, 2, 16, 16)))
+    prog = ir.assemble(Embed(64, h), blocks, Norm(h), LMHead(64, h), mtp, meta={"dtype": "float32"})
+    return random_weights(prog, seed=2, std=0.2)
+
+
+@pytest.fixture(scope="module", params=["default", "every-kind"])
+def exported(request, tmp_path_factory):
+    prog = load_default() if request.param == "default" else every_kind_program()
+    out = tmp_path_factory.mktemp("onnx") / request.param
+    report = export_onnx(prog, out, target="cpu")
+    return prog, out, report
+
+
+def test_export_layout_and_checker(exported):
+    prog, out, report = exported
+    assert {PREFILL, DECODE, PREFILL + ".data", DECODE + ".data"} <= set(report.files)
+    for name in (PREFILL, DECODE):
+        onnx.checker.check_model(str(out / name), full_check=True)
+        m = onnx.load(str(out / name), load_external_data=False)
+        meta = {p.key: p.value for p in m.metadata_props}
+        assert meta["puzzlekit.program"] == ir.print_program(prog)
+        assert all(i.data_location == TensorProto.EXTERNAL for i in m.graph.initializer if i.name.endswith(".weight")
+                   and np.prod(i.dims) * 4 > 1024)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in onnx.load(str(out / DECODE), load_external_data=False).graph.input}
+    assert dims["input_ids"] == ["batch", 1]
+    k = next(n for n in dims if n.endswith(".k"))
+    assert dims[k][0] == "batch" and dims[k][2] == "past_sequence"
+
+
+def test_prefill_and_32_decode_steps_match_torch(exported):
+    prog, out, _ = exported
+    vocab = prog.find("embed")[0].op.vocab
+    m, om = materialize(prog), OnnxModel(out)
+    ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, state = m.prefill(ids)
+    got, ostate = om.prefill(ids.numpy())
+    for name, w in zip(prog.outputs, want):
+        np.testing.assert_allclose(got[name], w.numpy(), atol=1e-4, rtol=1e-4)
+    steps = torch.randint(0, vocab, (32, 2), generator=torch.Generator().manual_seed(1))
+    for tok in steps:
+        with torch.no_grad():
+            want, state = m.decode(tok, state)
+        got, ostate = om.decode(tok.numpy(), ostate)
+        for name, w in zip(prog.outputs, want):
+            np.testing.assert_allclose(got[name], w.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_generation_is_identical(exported):
+    prog, out, _ = exported
+    vocab = prog.find("embed")[0].op.vocab
+    prompt = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(3))
+    m = materialize(prog)
+    seq = prompt
+    with torch.no_grad():
+        (logits, *_), state = m.prefill(seq)
+        for _ in range(64):
+            nxt = logits[:, -1].argmax(-1)
+            seq = torch.cat([seq, nxt[:, None]], dim=1)
+            (logits, *_), state = m.decode(nxt, state)
+    got = OnnxModel(out).generate(prompt.numpy(), 64)
+    assert np.array_equal(got, seq.numpy())
+
+
+# -- the TensorRT lint -----------------------------------------------------------------------------------------------
+def _model(nodes, inputs, outputs, opset=23, inits=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _vi(name, ty=TensorProto.FLOAT, shape=(2, 2)):
+    return helper.make_tensor_value_info(name, ty, list(shape))
+
+
+def test_lint_reports_precise_findings():
+    h100, b200 = TARGETS["h100"], TARGETS["b200"]
+    ok = _model([helper.make_node("Relu", ["x"], ["y"], name="r")], [_vi("x")], [_vi("y")])
+    assert [f for f in lint(ok, h100) if f.severity == "error"] == []
+    old = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x")], [_vi("y")], opset=8)
+    assert any(f.op == "opset" and "outside TensorRT" in f.reason for f in lint(old, h100))
+    custom = _model([helper.make_node("Foo", ["x"], ["y"], name="foo", domain="my.ops")], [_vi("x")], [_vi("y")])
+    f = lint(custom, h100)[0]
+    assert (f.severity, f.node, f.op) == ("error", "foo", "Foo") and "plugin" in f.reason
+    zp = helper.make_tensor("zp", TensorProto.INT8, [], [3])
+    q = _model([helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["y"], name="q")],
+               [_vi("x"), _vi("s", shape=())], [_vi("y", TensorProto.INT8)], inits=[zp])
+    assert any(f.node == "q" and "zero point" in f.reason for f in lint(q, h100))
+    fp4 = _model([helper.make_node("DequantizeLinear", ["w", "s"], ["y"], name="dq4", axis=-1, block_size=16)],
+                 [_vi("w", TensorProto.FLOAT4E2M1, (2, 16)), _vi("s", shape=(2, 1))], [_vi("y", shape=(2, 16))])
+    assert any(f.node == "dq4" and "Blackwell" in f.reason and f.severity == "error" for f in lint(fp4, h100))
+    assert not [f for f in lint(fp4, b200) if f.severity == "error"]
+    dbl = _model([helper.make_node("Relu", ["x"], ["y"], name="d")], [_vi("x", TensorProto.UINT64)],
+                 [_vi("y", TensorProto.UINT64)])
+    assert any("UINT64" in f.reason for f in lint(dbl, b200))
+
+
+# -- quantized lowering ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small():
+    h = 32
+    blocks = [Mamba2(h, 4, 8, 8, 2, chunk=4), MoE(h, 4, 2, 16, 16), Attention(h, 4, 2, 8), MLP(h, 32)]
+    return random_weights(ir.assemble(Embed(256, h), blocks, Norm(h), LMHead(256, h), meta={"dtype": "float32"}),
+                          seed=5, std=0.2)
+
+
+def test_fp8_export_runs_in_ort_and_matches_fake_quant(small, tmp_path):
+    prog = small.copy()
+    PassManager("quantize{recipe=fp8,samples=2,seq=32}").run(prog)
+    export_onnx(prog, tmp_path / "fp8", target="h100")
+    m = onnx.load(str(tmp_path / "fp8" / PREFILL), load_external_data=False)
+    dq = [n for n in m.graph.node if n.op_type == "DequantizeLinear"]
+    fp8 = {i.name for i in m.graph.initializer if i.data_type == TensorProto.FLOAT8E4M3FN}
+    assert len(dq) >= 8 and {n.input[0] for n in dq} <= fp8
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        want = materialize(prog)(ids)
+    got, _ = OnnxModel(tmp_path / "fp8").prefill(ids.numpy())
+    np.testing.assert_allclose(got["logits"], want.numpy(), atol=2e-3, rtol=2e-3)
+
+
+def test_nvfp4_export_is_exact_under_the_reference_evaluator(small, tmp_path):
+    prog = small.copy()
+    PassManager("quantize{recipe=nvfp4-weight,samples=2,seq=32}").run(prog)
+    with pytest.raises(ExportError, match="Blackwell"):
+        export_onnx(prog, tmp_path / "h100", target="h100")
+    export_onnx(prog, tmp_path / "b200", target="b200")
+    m = onnx.load(str(tmp_path / "b200" / PREFILL))
+    w = "m.backbone.layers.1.mixer.experts.0.up_proj.weight"
+    chain = [n for n in m.graph.node if n.output[0] in (w, w + ".scale")]
+    assert [n.op_type for n in chain] == ["DequantizeLinear", "DequantizeLinear"]
+    assert next(i for i in m.graph.initializer if i.name == w + ".q").data_type == TensorProto.FLOAT4E2M1
+    # evaluate just the dequantisation chain and compare with our dequantised weight
+    inits = [i for i in m.graph.initializer if i.name.startswith(w + ".")]
+    sub = helper.make_model(helper.make_graph(chain[::-1] if chain[0].output[0] == w else chain, "dq", [],
+                                              [_vi(w, shape=(16, 32))], inits),
+                            opset_imports=[helper.make_opsetid("", 23)])
+    got = ReferenceEvaluator(sub).run(None, {})[0]
+    want = prog.weights.get("backbone.layers.1.mixer.experts.0.up_proj.weight").dequantize(torch.float32)
+    assert np.array_equal(got, want.numpy())
