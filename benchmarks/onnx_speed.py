@@ -1,0 +1,70 @@
+"""onnxruntime against torch eager on the default model: decode and prefill tokens/s, side by side.
+
+Run: python benchmarks/onnx_speed.py [--batch 1] [--prompt 128] [--steps 64]
+Goal: ORT decode at least 1.5x torch eager. Both keep the state between steps (ORT in its own
+buffers via IO binding); the report says what dominates when the goal is missed.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from puzzlekit.backends.onnx import OnnxModel, export_onnx
+from puzzlekit.backends.torch import materialize
+from puzzlekit.tools.default_model import load_default
+
+
+def timed(fn, repeats=3):
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.no_grad()
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args()
+    prog = load_default()
+    m = materialize(prog)
+    with tempfile.TemporaryDirectory() as d:
+        export_onnx(prog, Path(d) / "onnx")
+        om = OnnxModel(Path(d) / "onnx")
+        ids = torch.randint(0, 256, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
+        tok = ids[:, -1]
+
+        def torch_decode():
+            _, st = m.prefill(ids)
+            for _ in range(args.steps):
+                _, st = m.decode(tok, st)
+
+        def ort_decode():
+            _, st = om.prefill(ids.numpy())
+            for _ in range(args.steps):
+                _, st = om.decode(tok.numpy(), st)
+
+        t_pre = timed(lambda: m.prefill(ids))
+        o_pre = timed(lambda: om.prefill(ids.numpy()))
+        t_dec = (timed(torch_decode) - t_pre) / args.steps
+        o_dec = (timed(ort_decode) - o_pre) / args.steps
+    n = args.batch
+    print(f"default model, batch {n}, prompt {args.prompt}, {args.steps} decode steps, {torch.get_num_threads()} threads")
+    print(f"{'':10}{'torch eager':>14}{'onnxruntime':>14}{'ratio':>8}")
+    print(f"{'decode':10}{n / t_dec:10.0f} t/s{n / o_dec:10.0f} t/s{t_dec / o_dec:8.2f}")
+    print(f"{'prefill':10}{n * args.prompt / t_pre:10.0f} t/s{n * args.prompt / o_pre:10.0f} t/s{t_pre / o_pre:8.2f}")
+    print(f"(prefill {t_pre * 1e3:.1f} ms vs {o_pre * 1e3:.1f} ms; decode step {t_dec * 1e3:.2f} ms vs {o_dec * 1e3:.2f} ms)")
+
+
+if __name__ == "__main__":
+    main()
