@@ -38,9 +38,6 @@ class Corpus:
     train: np.ndarray  # uint8
     valid: np.ndarray
 
-    def split(self, name: str) -> np.ndarray:
-        return {"train": self.train, "valid": self.valid}[name]
-
 
 def _join(docs: list[bytes]) -> np.ndarray:
     return np.frombuffer(SEPARATOR.join(docs), dtype=np.uint8).copy()
@@ -60,15 +57,22 @@ def stdlib_corpus(limit_bytes: int | None = None) -> Corpus:
     return Corpus(_join(train), _join(valid))
 
 
-def _documents(path: Path) -> list[tuple[str, bytes]]:
+def _documents(path: Path, name: str | None = None) -> list[tuple[str, bytes]]:
+    """(name, bytes) per document; names are relative to the argument, so the split does not depend on
+    how the path was spelled."""
+    name = name or path.name
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-        return [d for f in files for d in _documents(f)]
+        return [d for f in files for d in _documents(f, f.relative_to(path).as_posix())]
     if not path.exists():
         raise DataError(f"{path} does not exist; pass text files, directories or .jsonl files")
     if path.suffix == ".jsonl":
         docs = []
-        for i, line in enumerate(path.read_text().splitlines()):
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        for i, line in enumerate(text.splitlines()):
             if not line.strip():
                 continue
             try:
@@ -77,9 +81,9 @@ def _documents(path: Path) -> list[tuple[str, bytes]]:
                 raise DataError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
                 raise DataError(f"{path}:{i + 1}: each JSONL record needs a string field \"text\"")
-            docs.append((f"{path}:{i + 1}", rec["text"].encode()))
+            docs.append((f"{name}:{i + 1}", rec["text"].encode()))
         return docs
-    return [(str(path), path.read_bytes())]
+    return [(name, path.read_bytes())]
 
 
 def user_corpus(paths: list[str | Path]) -> Corpus:
@@ -88,10 +92,10 @@ def user_corpus(paths: list[str | Path]) -> Corpus:
     for p in paths:
         for name, data in _documents(Path(p)):
             (valid if is_validation(name) else train).append(data)
-    if not train:
-        raise DataError(f"no training text found in {[str(p) for p in paths]}")
-    if not valid:  # tiny inputs: hold out the tail of the training stream instead
-        joined = _join(train)
+    if not train and not valid:
+        raise DataError(f"no text found in {[str(p) for p in paths]} (suffixes read: {sorted(TEXT_SUFFIXES)})")
+    if not train or not valid:  # few documents: hold out the tail of the stream instead
+        joined = _join(train + valid)
         cut = max(1, len(joined) // 20)
         return Corpus(joined[:-cut], joined[-cut:])
     return Corpus(_join(train), _join(valid))
@@ -104,14 +108,17 @@ def load_corpus(paths: list[str] | None = None, limit_bytes: int | None = None) 
 def random_windows(stream: np.ndarray, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
     """`batch` random windows of `length` bytes as int64 token ids [batch, length]."""
     if len(stream) <= length:
-        raise DataError(f"the text ({len(stream)} bytes) is shorter than one window of {length + 1} bytes")
+        raise DataError(f"the text ({len(stream)} bytes) is shorter than one window of {length} bytes")
     starts = torch.randint(0, len(stream) - length, (batch,), generator=generator).numpy()
     return torch.from_numpy(np.stack([stream[s:s + length] for s in starts]).astype(np.int64))
 
 
 def sequential_windows(stream: np.ndarray, length: int, limit: int | None = None) -> torch.Tensor:
     """Consecutive non-overlapping windows [n, length] covering the stream (up to `limit` windows)."""
-    n = (len(stream)) // length
+    n = len(stream) // length
     if limit:
         n = min(n, limit)
+    if n == 0:
+        raise DataError(f"the held-out text ({len(stream)} bytes) is shorter than one window of {length} bytes; "
+                        "give more text or a shorter window")
     return torch.from_numpy(stream[: n * length].astype(np.int64).reshape(n, length))

@@ -58,6 +58,9 @@ class Scenario:
                 raise PuzzlekitError(f"scenario {self.name}: unknown recipe {self.recipe!r}; known: {sorted(RECIPES)}")
         if self.input_len < 1 or self.output_len < 0 or not 0 <= self.memory_reserve < 1:
             raise PuzzlekitError(f"scenario {self.name}: lengths must be positive and memory_reserve in [0, 1)")
+        for k in ("rate_floor", "context", "concurrency", "gpus"):
+            if getattr(self, k) < 0:
+                raise PuzzlekitError(f"scenario {self.name}: {k} must be >= 0, got {getattr(self, k)}")
         return self
 
 
@@ -184,8 +187,8 @@ class MeasuredProvider:
             x = torch.randn(batch, 1, op.hidden, generator=g)
         else:
             x = torch.randn(batch, tokens, op.hidden, generator=g)
-        if op.kind == "mtp":
-            return 0.0  # not run per step unless drafting (not modelled)
+        if getattr(op, "tied", False):
+            m.bind(torch.nn.Embedding(op.vocab, op.hidden))
         state = None
         if op.is_block and decode and op.state_shapes():
             state = tuple(torch.randn(*[{"B": batch, "L": context}.get(d, d) for d in shape], generator=g)

@@ -64,6 +64,8 @@ def load_target_file(path: str | Path) -> Target:
         raw = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise PuzzlekitError(f"{path}: cannot read the target file ({e})") from None
+    if not isinstance(raw, dict):
+        raise PuzzlekitError(f"{path}: a target file holds one table/object of fields")
     conv = {"memory_gb": ("memory_bytes", GB), "bandwidth_tbs": ("bandwidth", TB),
             "interconnect_gbs": ("interconnect_bandwidth", GB)}
     vals = {"kind": "gpu"}
@@ -78,9 +80,14 @@ def load_target_file(path: str | Path) -> Target:
             raise PuzzlekitError(f"{path}: unknown target field {k!r}; known: memory_gb, bandwidth_tbs, "
                                  f"peak_tflops, interconnect_gbs, {', '.join(sorted(_FIELDS))}")
     missing = [k for k in ("name", "memory_bytes", "bandwidth", "peak_flops") if k not in vals]
+    if vals.get("devices", 1) > 1 and not vals.get("interconnect_bandwidth"):
+        missing.append("interconnect_gbs (needed with devices > 1)")
     if missing:
         raise PuzzlekitError(f"{path}: target needs {missing} (memory_gb, bandwidth_tbs, peak_tflops)")
-    return Target(**vals)
+    try:
+        return Target(**vals)
+    except (TypeError, ValueError) as e:
+        raise PuzzlekitError(f"{path}: bad target field ({e})") from None
 
 
 def get_target(name: str) -> Target:

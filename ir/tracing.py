@@ -89,18 +89,21 @@ class _Stand(nn.Module):
         return self.ref(hidden_states)[0]
 
 
-def _swap(root: nn.Module, found: dict[str, Converted]) -> dict[str, nn.Module]:
-    originals = {}
+def _swap(root: nn.Module, found: dict[str, Converted], originals: dict[str, nn.Module]) -> None:
+    """Puts our reference module in place of each recognised one, recording originals as it goes."""
     for path, c in found.items():
         if not c.swap:
             continue
         ref = c.op.build()
-        ref.load_state_dict(c.weights, strict=True)
+        try:
+            ref.load_state_dict(c.weights, strict=True)
+        except RuntimeError as e:
+            raise TraceError(f"{path}: the converter's weights do not fit its {c.op.kind} spec: "
+                             f"{str(e).splitlines()[0]}") from None
         parent, _, leaf = path.rpartition(".")
         owner = root.get_submodule(parent) if parent else root
         originals[path] = getattr(owner, leaf)
         setattr(owner, leaf, _Stand(ref, originals[path]))
-    return originals
 
 
 def _restore(root: nn.Module, originals: dict[str, nn.Module]) -> None:
@@ -166,8 +169,9 @@ def trace(module: nn.Module, example_inputs: tuple, check: bool = True, kwargs: 
     with torch.no_grad():
         expected = module(*example_inputs, **kwargs)
     found = _recognise(module)
-    originals = _swap(module, found)
+    originals: dict[str, nn.Module] = {}
     try:
+        _swap(module, found, originals)
         bound = inspect.signature(module.forward).bind(*example_inputs, **kwargs).arguments
         dyn = {k: _dynamic(v) for k, v in bound.items()}
         try:
@@ -260,7 +264,9 @@ def _build(gm: fx.GraphModule, found: dict[str, Converted], root: nn.Module) -> 
     value_of: dict[fx.Node, str] = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     user_inputs = [p for p in placeholders if p in live]
-    names = ["input_ids"] if len(user_inputs) == 1 else [p.name for p in user_inputs]
+    if len(user_inputs) != 1:
+        raise TraceError(f"the traced module reads {len(user_inputs)} tensor inputs; Programs take one (token ids)")
+    names = ["input_ids"]
     for p, nm in zip(user_inputs, names):
         value_of[p] = nm
     weights, nodes = WeightStore(), []

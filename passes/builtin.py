@@ -57,7 +57,7 @@ def _wrap_route(mixer, hook):
     return lambda: mixer.__dict__.pop("route", None)
 
 
-@analysis("cost", depends=("structure",))
+@analysis("cost")  # weights matter too: measured routing and quantized weights
 def cost_analysis(prog: Program, am: AnalysisManager, target: str = "h100", scenario: str = "decode-heavy",
                   recipe: str = "", measured_routing: bool = False) -> dict:
     """The cost model's report (backends/cost.py) for a target and a named scenario; with
@@ -102,7 +102,9 @@ class Snapshot(Pass):
 
 
 def _layers(prog: Program, layers: list[int], kind: str | None, who: str) -> list:
+    """The chosen blocks (an empty list means every block of `kind`), checked before anything changes."""
     blocks = prog.blocks()
+    layers = sorted(set(layers))
     bad = [i for i in layers if not 0 <= i < len(blocks)]
     if bad:
         raise PassError(f"{who}: layers {bad} out of range; the program has {len(blocks)} layers (0..{len(blocks) - 1})")
@@ -123,9 +125,11 @@ class SetTopK(Pass):
 
     def run(self, prog, am):
         changed = False
-        for n in _layers(prog, self.layers, "moe", "set-topk"):
+        chosen = _layers(prog, self.layers, "moe", "set-topk")
+        for n in chosen:
             if not 1 <= self.k <= n.op.experts:
                 raise PassError(f"set-topk: k={self.k} must be in 1..{n.op.experts} (experts of {n.path})")
+        for n in chosen:
             if n.op.top_k != self.k:
                 prog.rewrite(n, op=n.op.replace(top_k=self.k))
                 changed = True
@@ -139,9 +143,11 @@ class DropBlocks(Pass):
     layers: list[int]
 
     def run(self, prog, am):
-        for n in _layers(prog, self.layers, None, "drop-blocks"):
+        changed = [n for n in _layers(prog, self.layers, None, "drop-blocks") if n.op.kind != "noop"] \
+            if self.layers else []
+        for n in changed:
             prog.rewrite(n, op=Noop(n.op.hidden))
-        return Preserved.none() if self.layers else Preserved.all()
+        return Preserved.none() if changed else Preserved.all()
 
 
 @register("repeat")

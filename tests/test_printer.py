@@ -89,7 +89,7 @@ def test_format_params_super_has_the_moe_row():
     assert rows["moe"] == ["40", "114.92B", "7.03B"]
     assert rows["mamba2"][0] == "40" and rows["attention"][0] == "8"
     assert rows["trunk"] == ["120.67B", "12.77B"]
-    assert rows["mtp head"] == ["2.94B", "244.87M"]
+    assert rows["mtp head"] == ["2.94B", "244.86M"]
 
 
 def test_format_params_nano_has_no_mtp_row():

@@ -45,7 +45,7 @@ class MTP(OpSpec):
         return p
 
     def active_params(self):
-        fused = 4 * self.hidden + 2 * self.hidden * self.hidden
+        fused = 3 * self.hidden + 2 * self.hidden * self.hidden  # enorm, hnorm, final norm, eh_proj
         return fused + sum(b.active_params() for b in self.blocks)
 
     def fp32_params(self):
@@ -79,7 +79,7 @@ class MTP(OpSpec):
         return total
 
     def check(self):
-        out = positive(self, "hidden")
+        out = super().check() + positive(self, "hidden")
         if not self.blocks:
             out.append(("blocks", "the MTP head needs at least one block"))
         for i, b in enumerate(self.blocks):

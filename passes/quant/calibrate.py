@@ -34,10 +34,11 @@ def quantize_weight(w: torch.Tensor, fmt: str, method: str = "amax", name: str =
     if method == "amax":
         return quantize_nvfp4(w, name=name)
     # per block: try scaled block scales, keep the one with the smallest block error
-    q = quantize_nvfp4(w, name=name)
+    if w.shape[-1] % NVFP4_BLOCK or not bool(torch.isfinite(w).all()):
+        quantize_nvfp4(w, name=name)  # raises the format's own error
     s2 = nvfp4_global_scale(w)
     blocks = w.float().reshape(*w.shape[:-1], -1, NVFP4_BLOCK)
-    best_sb, best_err = q.block_scale, None
+    best_sb, best_err = None, None
     for r in MSE_RATIOS:
         sb = nvfp4_block_scale(w, s2, float(r))
         cand = quantize_nvfp4(w, block_scale=sb, global_scale=s2, name=name)

@@ -4,8 +4,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch
-
 from ... import ir
 from ...ir.weights import Deferred
 from .calibrate import input_scale, quantize_weight
@@ -31,14 +29,12 @@ def quantize_checkpoint(src, dst, recipe: str = "fp8", calib: str = "amax", act_
     plan = rec.assign(prog)
     source = prog.weights
     out = prog.copy()
-    largest = 0
     for path, params in plan.items():
         node = out.node(path)
         new = {}
         for local, fmt in params.items():
             full, wfmt, act = f"{path}.{local}", FORMATS[fmt][0], FORMATS[fmt][1]
             shape = source.shape(full)
-            largest = max(largest, source.nbytes(full))
             new[local] = Deferred(lambda full=full, wfmt=wfmt: quantize_weight(source.get(full), wfmt, calib, name=full),
                                   tuple(shape), source.dtype(full), wfmt, _stored_bytes(shape, wfmt))
             if act:
@@ -48,12 +44,6 @@ def quantize_checkpoint(src, dst, recipe: str = "fp8", calib: str = "amax", act_
                                      "(act_amax), or use a weight-only format such as nvfp4-weight / fp8-weight")
                 new[f"{local.rsplit('.', 1)[0]}.input_scale"] = input_scale(act_amax[module], act)
         out.rewrite(node, op=node.op.replace(quant=dict(node.op.quant) | params), weights=new)
-    largest = max([largest] + [source.nbytes(n) for n in source.names()])
+    largest = max(source.nbytes(n) for n in source.names())
     return ir.save(out, dst, max_shard_bytes=max_shard_bytes or largest, overwrite=overwrite)
 
-
-@torch.no_grad()
-def dequantized(prog) -> dict[str, torch.Tensor]:
-    """Every stored weight as a plain tensor (quantised ones dequantised), for comparisons."""
-    return {k: (t if isinstance(t, torch.Tensor) else t.dequantize()) for k in prog.weights.names()
-            for t in [prog.weights.get(k)]}

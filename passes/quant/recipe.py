@@ -34,9 +34,10 @@ class Recipe:
         """node path -> {parameter: format} for every quantised 2-D weight (MTP blocks included)."""
         out: dict[str, dict[str, str]] = {}
         for n in prog.nodes:
+            done = dict(n.op.quant)
             for local, shape in n.op.params().items():
                 fmt = self.format_of(n.path, local)
-                if fmt != "none" and len(shape) == 2:
+                if fmt != "none" and len(shape) == 2 and local not in done:  # already quantized: left as is
                     out.setdefault(n.path, {})[local] = fmt
         return out
 
