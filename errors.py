@@ -1,4 +1,5 @@
-"""The errors puzzlekit raises: each says what is wrong, where, and how to fix it."""
+"""The base errors of puzzlekit: each says what is wrong, where, and how to fix it. Modules add their own
+subclasses of PuzzlekitError (DataError, PassError, QuantError, ExportError)."""
 
 
 class PuzzlekitError(Exception):

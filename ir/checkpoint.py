@@ -192,11 +192,19 @@ def _shard_files(d: Path) -> list[Path]:
     return sorted(d.glob("*.safetensors"))
 
 
+def _meta_only(d: Path) -> bool:
+    """A directory written by `save` for a meta program holds just its config (marked in it)."""
+    try:
+        return bool(json.loads((d / "config.json").read_text()).get("meta_only"))
+    except (OSError, ValueError):
+        return False
+
+
 def load(path, check_finite: bool = False) -> Program:
     """Reads a checkpoint directory (config.json + safetensors) or a bare config.json (meta weights).
 
-    Tensors stay lazy (memory-mapped on use). A config alone gives a Program of meta tensors that can
-    be printed, verified and costed with no tensor memory allocated.
+    Tensors stay lazy (read from disk when used). A config alone gives a Program of meta tensors that
+    can be printed, verified and costed with no tensor memory allocated.
     """
     path = Path(path)
     if path.is_dir():
@@ -212,6 +220,9 @@ def load(path, check_finite: bool = False) -> Program:
     if spec_problems:
         raise CheckpointError(f"{cfg_file} describes an inconsistent model:\n  " + "\n  ".join(spec_problems))
     files = _shard_files(d) if d is not None else []
+    if d is not None and not files and not _meta_only(d):
+        raise CheckpointError(f"{d} has a config.json but no *.safetensors weights; to plan on shapes alone, "
+                              f"pass {d / 'config.json'} itself")
     prog.meta["source"] = str(path.resolve())
     dtype = getattr(torch, prog.meta["dtype"])
     if not files:
@@ -291,14 +302,12 @@ def _atomic_dir(path: Path, overwrite: bool, inputs: set[Path]):
         raise CheckpointError(f"{path} already exists and is not empty; pass overwrite=True or pick a new path")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; an output directory should not be
+    tmp.chmod(0o777 & ~_UMASK)  # mkdtemp makes it private; an output directory should not be
     return tmp
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+_UMASK = os.umask(0)  # read once, at import: os.umask can only be read by setting it
+os.umask(_UMASK)
 
 
 def _stored_tensors(name: str, value) -> dict:
@@ -319,6 +328,9 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
     """
     path = Path(path)
     cfg = config_of(prog)
+    found = problems(prog)
+    if found:
+        raise CheckpointError("save: the program does not verify:\n  " + "\n  ".join(found))
     w = prog.weights
     names = [f"{n.path}.{k}" for n in prog.nodes for k in n.op.stored_params()]
     metas = [k for k in names if w.is_meta(k)]
@@ -328,7 +340,8 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
     inputs = {Path(w.source(k)).resolve().parent for k in names if w.source(k) is not None}
     tmp = _atomic_dir(path, overwrite, inputs)
     try:
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps({**cfg, **({"meta_only": True} if metas else {})}, indent=2)
+                                         + "\n")
         if not metas:
             shards, cur, size = [], [], 0
             for k in names:
@@ -351,11 +364,15 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
                 index = {"metadata": {"total_size": sum(w.nbytes(k) for k in names)}, "weight_map": weight_map}
                 (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for f in tmp.iterdir():
-            f.chmod(0o666 & ~_umask())
+            f.chmod(0o666 & ~_UMASK)
         if path.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
             os.replace(path, trash / "old")
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except OSError:
+                os.replace(trash / "old", path)  # put the old checkpoint back
+                raise
             shutil.rmtree(trash)
         else:
             os.replace(tmp, path)

@@ -84,7 +84,8 @@ def read_safetensors_header(file: Path) -> tuple[dict, int]:
 
 
 class WeightStore:
-    """Tensors by their stable (Hugging Face) name. Lazy entries are read, memory-mapped, on first use."""
+    """Tensors by their stable (Hugging Face) name. Lazy entries are read from their file on each use
+    (plain reads of just their bytes, so memory stays bounded by the tensors in use)."""
 
     def __init__(self):
         self._entries: dict[str, torch.Tensor | _Lazy] = {}

@@ -21,6 +21,8 @@ def _emit(args, data: dict, text: str) -> None:
 
 
 def _load_plugins(modules: list[str]) -> None:
+    if modules and "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # like `python -m`: a plugin module in the current directory is found
     for m in modules or []:
         try:
             importlib.import_module(m)
@@ -102,6 +104,8 @@ def _run(args) -> int:
     src, out = model_path(args.model).resolve(), Path(args.output).resolve()
     if out == src or src.is_relative_to(out) or (src.is_dir() and out.is_relative_to(src)):
         raise UsageError(f"output {out} would overwrite or sit inside the input {src}; choose another -o")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output {out} is a file; -o needs a directory")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise UsageError(f"output {out} exists; pass --overwrite to replace it")
     prog = _model(args)

@@ -30,11 +30,3 @@ def load_default() -> Program:
 def model_path(model: str | None) -> Path:
     return DEFAULT_MODEL if model in (None, "", "default") else Path(model)
 
-
-if __name__ == "__main__":  # regenerates the shipped weights: python -m puzzlekit.tools.default_model
-    from ..backends.torch import random_weights
-    from ..ir import save
-
-    card = (DEFAULT_MODEL / "README.md").read_text()
-    save(random_weights(default_architecture(), seed=0), DEFAULT_MODEL, overwrite=True)
-    (DEFAULT_MODEL / "README.md").write_text(card)

@@ -26,7 +26,7 @@ from .default_model import default_architecture
 
 @dataclass
 class TrainConfig:
-    steps: int = 3000
+    steps: int = 1200
     batch: int = 16
     seq: int = 256
     lr: float = 3e-3
@@ -35,7 +35,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     mtp_weight: float = 0.3
     seed: int = 0
-    checkpoint_every: int = 100
+    checkpoint_every: int = 50
     eval_windows: int = 128
     max_minutes: float = 0.0  # stop early (and save) after this long; 0 = no limit
 
@@ -84,9 +84,10 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
     step = resumed_from = 0
     earlier = 0.0  # seconds spent by earlier segments of this run
     if state_file.exists():
-        st = torch.load(state_file, weights_only=False)
-        if st["config"] != cfg.identity():
-            raise PuzzlekitError(f"{state_file} was written with other settings {st['config']}; "
+        st = torch.load(state_file, weights_only=True)
+        if st["config"] != cfg.identity() or st.get("data") != (data or []):
+            raise PuzzlekitError(f"{state_file} was written with other settings {st['config']} "
+                                 f"(data {st.get('data') or 'the Python stdlib'}); "
                                  "use the same settings to resume or a new output directory")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
@@ -110,7 +111,7 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
         timed_out = cfg.max_minutes and time.monotonic() - start > cfg.max_minutes * 60
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or timed_out:
             _save_state(state_file, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                                     "generator": gen.get_state(), "config": cfg.identity(),
+                                     "generator": gen.get_state(), "config": cfg.identity(), "data": data or [],
                                      "seconds": earlier + time.monotonic() - start})
         if timed_out:
             break
@@ -128,5 +129,7 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
     }
     prog.meta["provenance"] = {"training": metrics}
     ir.save(prog, out / "model", overwrite=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    tmp = out / "metrics.json.tmp"
+    tmp.write_text(json.dumps(metrics, indent=2) + "\n")
+    os.replace(tmp, out / "metrics.json")
     return metrics
