@@ -97,7 +97,7 @@ def _optimize(model: onnx.ModelProto) -> onnx.ModelProto:
     so that weights keep their names until then; large constants such as dequantized weights stay unfolded."""
     import onnxscript.optimizer
 
-    return onnxscript.optimizer.optimize(model)
+    return onnxscript.optimizer.optimize(model, input_size_limit=1)  # fold shape arithmetic, never weights
 
 
 def _save(model: onnx.ModelProto, path: Path, threshold: int = 1024) -> None:
@@ -126,7 +126,7 @@ def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwr
     """
     from ..targets import get_target
     from .lint import lint
-    from .quant import lower_quantized
+    from .quant import activation_qdq, lower_quantized
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -147,7 +147,8 @@ def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwr
                          ({0: D, 1: D},), opset),
         DECODE: _export(_Decode(module), (ids[:, :1].clone(), *past), ["input_ids"] + [f"past.{s}" for s in states],
                         outs + [f"present.{s}" for s in states],
-                        ({0: D}, tuple({0: D, 2: D} if _is_kv(s) else {0: D} for s in states)), opset),
+                        ({0: D}, tuple({0: D, 2: D} if _is_kv(s) else {0: D} for s in states)) if states
+                        else ({0: D},), opset),
     }
     _name_dims(graphs[PREFILL], {("input_ids", 0): "batch", ("input_ids", 1): "sequence"})
     _name_dims(graphs[DECODE], {("input_ids", 0): "batch", **{(f"past.{s}", 0): "batch" for s in states},
@@ -158,6 +159,7 @@ def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwr
         for name, model in graphs.items():
             lower_quantized(model, prog, module)
             model = graphs[name] = _optimize(model)
+            activation_qdq(model)
             for k, v in meta.items():
                 model.metadata_props.add(key=k, value=v)
             path = tmp / name

@@ -60,3 +60,44 @@ def lower_quantized(model: onnx.ModelProto, prog: Program, module) -> None:
     nodes = list(graph.node)
     graph.ClearField("node")
     graph.node.extend(new_nodes + nodes)
+
+
+def activation_qdq(model: onnx.ModelProto) -> int:
+    """Rewrites each FP8 activation fake-quantization, as exported (Div(x, s) -> Clip(-448, 448) ->
+    Cast(FLOAT8E4M3FN) -> Cast(FLOAT) -> Mul(., s)), into QuantizeLinear -> DequantizeLinear with a zero
+    point of 0, the pattern TensorRT fuses. Same arithmetic (saturating, round to nearest even).
+    Returns the number of rewrites."""
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    users: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    drop, add, count = set(), {}, 0
+    for cast in g.node:
+        attrs = {a.name: a.i for a in cast.attribute}
+        if cast.op_type != "Cast" or attrs.get("to") != TensorProto.FLOAT8E4M3FN:
+            continue
+        clip = producer.get(cast.input[0])
+        div = producer.get(clip.input[0]) if clip is not None and clip.op_type == "Clip" else None
+        back = users.get(cast.output[0], [])
+        mul = users.get(back[0].output[0], []) if len(back) == 1 and back[0].op_type == "Cast" else []
+        if div is None or div.op_type != "Div" or len(mul) != 1 or mul[0].op_type != "Mul":
+            continue
+        x, s = div.input
+        mul = mul[0]
+        if s not in mul.input or len(users[div.output[0]]) != 1 or len(users[clip.output[0]]) != 1:
+            continue
+        zp, base = f"{s}.zero_point", div.output[0]
+        if zp not in {i.name for i in g.initializer}:
+            g.initializer.append(helper.make_tensor(zp, TensorProto.FLOAT8E4M3FN, [], [0.0]))
+        add[id(div)] = [helper.make_node("QuantizeLinear", [x, s, zp], [f"{base}.q"], name=f"{base}.quantize"),
+                        helper.make_node("DequantizeLinear", [f"{base}.q", s, zp], [mul.output[0]],
+                                         name=f"{base}.dequantize")]
+        drop.update(id(n) for n in (div, clip, cast, back[0], mul))
+        count += 1
+    if count:
+        nodes = [m for n in g.node for m in (add.get(id(n), []) if id(n) in add else ([] if id(n) in drop else [n]))]
+        g.ClearField("node")
+        g.node.extend(nodes)
+    return count
