@@ -159,6 +159,9 @@ class Repeat(Pass):
     body: list = field(default_factory=list)
 
     def run(self, prog, am):
+        from .manager import PassManager
+
+        manager = am.manager or PassManager(self.body)
         for _ in range(self.n):
-            am.manager.run_nested(self.body, prog, am)
+            manager.run_nested(self.body, prog, am)
         return Preserved.all()  # the nested passes already invalidated what they changed

@@ -148,6 +148,8 @@ class AnalysisManager:
         self.snapshots: dict[str, Program] = {}
         self.computed: list[str] = []  # every computation, in order (for instrumentation and tests)
         self.reports: dict[str, dict] = {}  # what passes measured (e.g. quantize's KL), by pass name
+        self.manager = None  # the PassManager running (nested pipelines run through it)
+        self.instrument = None
 
     def get(self, name: str, **options):
         if name not in ANALYSES:
