@@ -7,26 +7,14 @@ Prints predicted and measured decode-step and prefill times side by side and the
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from puzzlekit.backends.cost import CostModel, MeasuredProvider, Scenario
 from puzzlekit.backends.torch import materialize
 from puzzlekit.tools.default_model import load_default
-
-
-def median_seconds(fn, repeats: int = 15, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from timing import median_seconds
 
 
 @torch.no_grad()

@@ -6,22 +6,11 @@ Prints the median time of each and the ratio (goal: ours at least as fast), and 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from puzzlekit.passes.quant import quantize_nvfp4
-
-
-def median(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from timing import median_seconds
 
 
 def main():
@@ -33,8 +22,8 @@ def main():
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
 
     w = (torch.randn(args.size, args.size, generator=torch.Generator().manual_seed(0))).to(getattr(torch, args.dtype))
-    ours = median(lambda: quantize_nvfp4(w), args.repeats)
-    theirs = median(lambda: NVFP4QTensor.quantize(w.clone(), 16), args.repeats)
+    ours = median_seconds(lambda: quantize_nvfp4(w), args.repeats, warmup=1)
+    theirs = median_seconds(lambda: NVFP4QTensor.quantize(w.clone(), 16), args.repeats, warmup=1)
     a, (b, sb, s2) = quantize_nvfp4(w), NVFP4QTensor.quantize(w.clone(), 16)
     same = (torch.equal(a.data, b._quantized_data) and torch.equal(a.block_scale.view(torch.uint8), sb.view(torch.uint8))
             and torch.equal(a.global_scale.reshape(()), s2.float().reshape(())))

@@ -154,7 +154,8 @@ def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwr
     _name_dims(graphs[DECODE], {("input_ids", 0): "batch", **{(f"past.{s}", 0): "batch" for s in states},
                                 **{(f"past.{s}", 2): "past_sequence" for s in states if _is_kv(s)}})
     findings = []
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if out.parent.exists() else None))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # same filesystem: the rename is atomic
     try:
         for name, model in graphs.items():
             lower_quantized(model, prog, module)
@@ -173,7 +174,6 @@ def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwr
         if errors and tgt.kind == "gpu":
             raise ExportError(f"the export cannot be built by TensorRT for {tgt.name}:\n  "
                               + "\n  ".join(str(f) for f in errors))
-        out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
