@@ -166,6 +166,11 @@ def test_nvfp4_export_is_exact_under_the_reference_evaluator(small, tmp_path):
     got = ReferenceEvaluator(sub).run(None, {})[0]
     want = prog.weights.get("backbone.layers.1.mixer.experts.0.up_proj.weight").dequantize(torch.float32)
     assert np.array_equal(got, want.numpy())
+    # and the whole prefill graph, FP4 initializers included, against the fake-quantized torch model
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+    logits = ReferenceEvaluator(m).run(["logits"], {"input_ids": ids.numpy()})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(logits, materialize(prog)(ids).numpy(), atol=1e-4, rtol=1e-4)
 
 
 def test_program_without_decode_state_exports(tmp_path):
