@@ -11,9 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-
 from puzzlekit.backends.onnx import OnnxModel, export_onnx
 from puzzlekit.backends.torch import materialize
 from puzzlekit.tools.default_model import load_default

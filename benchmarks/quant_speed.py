@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from puzzlekit.passes.quant import quantize_nvfp4
 from timing import median_seconds
 

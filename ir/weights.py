@@ -1,12 +1,12 @@
 """WeightStore: named tensors that are eager (in memory), lazy (read from safetensors on use) or meta (shape only)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import json
 
 from ..errors import CheckpointError
 

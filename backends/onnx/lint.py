@@ -24,7 +24,7 @@ class Finding:
     reason: str
     graph: str = ""
 
-    def where(self, graph: str) -> "Finding":
+    def where(self, graph: str) -> Finding:
         return replace(self, graph=graph)
 
     def __str__(self) -> str:

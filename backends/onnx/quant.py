@@ -7,7 +7,6 @@ replaces that initializer by the pattern producing the same values.
 """
 from __future__ import annotations
 
-import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
@@ -16,11 +15,11 @@ from ...ir import Program
 
 
 def _initializer(name: str, t: torch.Tensor, onnx_type: int | None = None) -> onnx.TensorProto:
+    """A float32 initializer, or one of `onnx_type` holding t's raw bytes (float8, packed FP4)."""
     if onnx_type is None:
-        return numpy_helper.from_array(t.detach().float().numpy() if t.dtype != torch.int64 else t.numpy(), name)
-    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
-    shape = list(t.shape)
-    return helper.make_tensor(name, onnx_type, shape, raw, raw=True)
+        return numpy_helper.from_array(t.detach().float().numpy(), name)
+    return helper.make_tensor(name, onnx_type, list(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes(),
+                              raw=True)
 
 
 def lower_quantized(model: onnx.ModelProto, prog: Program, module) -> None:
@@ -44,9 +43,8 @@ def lower_quantized(model: onnx.ModelProto, prog: Program, module) -> None:
             new_nodes.append(helper.make_node("DequantizeLinear", [f"{base}.q", f"{base}.scale"], [base],
                                               name=f"{base}.dq", **attrs))
         else:
-            codes = q.data  # packed E2M1, low nibble first: ONNX's FLOAT4E2M1 layout
-            fp4 = helper.make_tensor(f"{base}.q", TensorProto.FLOAT4E2M1, list(q.shape), codes.numpy().tobytes(),
-                                     raw=True)
+            fp4 = helper.make_tensor(f"{base}.q", TensorProto.FLOAT4E2M1, list(q.shape),  # our packing is ONNX's:
+                                     q.data.numpy().tobytes(), raw=True)  # two codes a byte, low nibble first
             keep += [fp4, _initializer(f"{base}.block_scale", q.block_scale, TensorProto.FLOAT8E4M3FN),
                      _initializer(f"{base}.global_scale", q.global_scale.reshape(()))]
             new_nodes += [
@@ -97,7 +95,12 @@ def activation_qdq(model: onnx.ModelProto) -> int:
         drop.update(id(n) for n in (div, clip, cast, back[0], mul))
         count += 1
     if count:
-        nodes = [m for n in g.node for m in (add.get(id(n), []) if id(n) in add else ([] if id(n) in drop else [n]))]
+        nodes = []
+        for n in g.node:
+            if id(n) in add:
+                nodes += add[id(n)]
+            elif id(n) not in drop:
+                nodes.append(n)
         g.ClearField("node")
         g.node.extend(nodes)
     return count
