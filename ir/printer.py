@@ -55,8 +55,13 @@ def format_params(prog: Program) -> str:
     rows.append(("trunk", "", _human(c["total"]), _human(c["active"])))
     if c["mtp_total"]:
         rows.append(("mtp head", "", _human(c["mtp_total"]), _human(c["mtp_active"])))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(r[i].ljust(widths[i]) if i == 0 else r[i].rjust(widths[i]) for i in range(4))
+    return format_table(rows)
+
+
+def format_table(rows: list[tuple[str, ...]]) -> str:
+    """Aligned columns: the first left-aligned, the rest right-aligned (numbers)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
                      for r in rows) + "\n"
 
 

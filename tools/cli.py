@@ -34,7 +34,7 @@ def _model(args):
     from .. import ir
     from .default_model import model_path
 
-    return ir.load(model_path(args.model), check_finite=getattr(args, "check_finite", False))
+    return ir.load(model_path(args.model))
 
 
 # -- commands ----------------------------------------------------------------------------------------------
@@ -172,6 +172,7 @@ def _eval(args) -> int:
 
 def _cost(args) -> int:
     from ..backends.cost import cost
+    from ..ir.printer import format_table
 
     prog = _model(args)
     r = cost(prog, args.target, args.scenario, recipe=args.recipe, gpus=args.gpus, concurrency=args.concurrency)
@@ -183,9 +184,7 @@ def _cost(args) -> int:
                      f"{v['decode_seconds'] * 1e3:.3f}", f"{v['prefill_seconds'] * 1e3:.2f}"))
     rows.append(("total", "", f"{r.weight_bytes / gb:.3f}", f"{r.state_bytes_per_request / 1e6:.2f}",
                  f"{r.decode_step_seconds * 1e3:.3f}", f"{r.prefill_seconds * 1e3:.2f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(6)]
-    table = "\n".join("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row))
-                      for row in rows)
+    table = format_table(rows).rstrip("\n")
     head = (f"{r.target}, scenario {s.name}: {s.input_len} in / {s.output_len} out, context {s.context_len}, "
             f"rate floor {s.rate_floor:g} tok/s, KV {s.kv_dtype}, weights {s.recipe or 'bf16'}\n")
     tail = (f"\nparams {r.params_total / 1e9:.2f}B total, {r.params_active / 1e9:.2f}B active\n"

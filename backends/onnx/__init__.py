@@ -3,4 +3,4 @@ from .export import DECODE, PREFILL, ExportError, ExportReport, export_onnx
 from .lint import Finding, lint
 from .runtime import OnnxModel
 
-__all__ = ["export_onnx", "ExportReport", "ExportError", "OnnxModel", "lint", "Finding", "PREFILL", "DECODE"]
+__all__ = ["DECODE", "PREFILL", "ExportError", "ExportReport", "Finding", "OnnxModel", "export_onnx", "lint"]

@@ -11,7 +11,7 @@ from ..core import Pass, PassError, Preserved, register
 from ..manager import progress
 from .calibrate import activation_amax, input_scale, quantize_weight
 from .export import quantize_checkpoint
-from .formats import FP8Tensor, NVFP4Tensor, QuantError, dequantize_any, fake_quantize, quantize_fp8, quantize_nvfp4
+from .formats import FP8Tensor, NVFP4Tensor, QuantError, fake_quantize, quantize_fp8, quantize_nvfp4
 from .recipe import FORMATS, RECIPES, Recipe, Rule, get_recipe
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "Quantize",
     "Recipe",
     "Rule",
-    "dequantize_any",
     "fake_quantize",
     "get_recipe",
     "quantize_checkpoint",

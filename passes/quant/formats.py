@@ -163,11 +163,6 @@ def quantize_nvfp4(w: torch.Tensor, block_scale: torch.Tensor | None = None, glo
     return NVFP4Tensor(packed.reshape(*w.shape[:-1], -1), sb, s2, w.dtype)
 
 
-def dequantize_any(t, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A plain tensor as is, a quantised one dequantised."""
-    return t if isinstance(t, torch.Tensor) else t.dequantize(dtype)
-
-
 def fake_quantize(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor:
     """Quantise-dequantise activations at run time: FP8 with a static scale, NVFP4 with dynamic block
     scales under a calibrated global scale. Plain tensor ops with no checks or loops, so it exports;
