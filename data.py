@@ -90,7 +90,11 @@ def user_corpus(paths: list[str | Path]) -> Corpus:
     """The user's text files, directories (recursively, text suffixes) and JSONL ({"text": ...} per line)."""
     train, valid = [], []
     for p in paths:
-        for name, data in _documents(Path(p)):
+        try:
+            docs = _documents(Path(p))
+        except OSError as e:  # unreadable file or directory
+            raise DataError(f"cannot read {e.filename or p}: {e.strerror or e}") from None
+        for name, data in docs:
             (valid if is_validation(name) else train).append(data)
     if not train and not valid:
         raise DataError(f"no text found in {[str(p) for p in paths]} (suffixes read: {sorted(TEXT_SUFFIXES)})")
@@ -107,6 +111,8 @@ def load_corpus(paths: list[str] | None = None, limit_bytes: int | None = None) 
 
 def random_windows(stream: np.ndarray, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
     """`batch` random windows of `length` bytes as int64 token ids [batch, length]."""
+    if batch < 1 or length < 1:
+        raise DataError(f"windows need batch >= 1 and length >= 1 (got batch {batch}, length {length})")
     if len(stream) <= length:
         raise DataError(f"the text ({len(stream)} bytes) is shorter than one window of {length} bytes")
     starts = torch.randint(0, len(stream) - length, (batch,), generator=generator).numpy()
@@ -114,9 +120,13 @@ def random_windows(stream: np.ndarray, batch: int, length: int, generator: torch
 
 
 def sequential_windows(stream: np.ndarray, length: int, limit: int | None = None) -> torch.Tensor:
-    """Consecutive non-overlapping windows [n, length] covering the stream (up to `limit` windows)."""
+    """Consecutive non-overlapping windows [n, length] covering the stream (up to `limit` windows; None: all).
+
+    A limit below 1 is refused: 0 once silently meant "every window"."""
+    if length < 1 or (limit is not None and limit < 1):
+        raise DataError(f"windows need length >= 1 and a limit >= 1 or None (got length {length}, limit {limit})")
     n = len(stream) // length
-    if limit:
+    if limit is not None:
         n = min(n, limit)
     if n == 0:
         raise DataError(f"the held-out text ({len(stream)} bytes) is shorter than one window of {length} bytes; "

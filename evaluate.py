@@ -8,7 +8,29 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .errors import PuzzlekitError
+
 LN2 = math.log(2.0)
+
+
+class NonFiniteError(PuzzlekitError):
+    """A model produced NaN or inf: a metric computed from it would be meaningless."""
+
+
+def check_finite(values, what: str, model=None):
+    """Returns `values` (a tensor or array) when all finite; otherwise raises NonFiniteError naming the
+    likely cause: `model`'s non-finite parameters when it has some, else an overflowing activation."""
+    finite = torch.isfinite(values).all() if isinstance(values, torch.Tensor) else np.isfinite(values).all()
+    if finite:
+        return values
+    if not isinstance(model, torch.nn.Module):
+        cause = "its weights may hold NaN/inf"
+    elif bad := [n for n, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]:
+        cause = f"its weights hold NaN/inf ({', '.join(bad[:3])}{f' and {len(bad) - 3} more' if len(bad) > 3 else ''})"
+    else:
+        cause = "its parameters are finite, so an activation overflowed (or a quantized weight is NaN/inf)"
+    raise NonFiniteError(f"the model produced NaN/inf {what}: {cause}; check a checkpoint with "
+                         "`puzzlekit inspect --check-finite`")
 
 
 def _batches(windows: torch.Tensor, batch: int):
@@ -16,9 +38,13 @@ def _batches(windows: torch.Tensor, batch: int):
         yield windows[i:i + batch]
 
 
-def _outputs(model, ids):
+def _outputs(model, ids, who: str = ""):
     out = model(ids)
-    return out if isinstance(out, tuple) else (out, None)
+    out = out if isinstance(out, tuple) else (out, None)
+    for name, t in zip(("logits", "MTP logits"), out):
+        if t is not None:
+            check_finite(t, f"{name}{who}", model)
+    return out
 
 
 @torch.no_grad()
@@ -45,8 +71,8 @@ def teacher_agreement(teacher, student, windows: torch.Tensor, batch: int = 8) -
     """KL(teacher || student) of the next-token distributions (nats per token) and top-1 agreement."""
     kl, agree, count = 0.0, 0, 0
     for ids in _batches(windows, batch):
-        t = F.log_softmax(_outputs(teacher, ids)[0].float(), -1)
-        s = F.log_softmax(_outputs(student, ids)[0].float(), -1)
+        t = F.log_softmax(_outputs(teacher, ids, " (teacher)")[0].float(), -1)
+        s = F.log_softmax(_outputs(student, ids, " (student)")[0].float(), -1)
         kl += (t.exp() * (t - s)).sum().item()
         agree += (t.argmax(-1) == s.argmax(-1)).sum().item()
         count += ids.numel()

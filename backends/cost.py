@@ -52,7 +52,7 @@ class Scenario:
             if getattr(self, k) not in BYTES:
                 raise PuzzlekitError(f"scenario {self.name}: {k}={getattr(self, k)!r}; one of {sorted(BYTES)}")
         if self.recipe:
-            from ..passes.quant.recipe import RECIPES
+            from ..ir.quant.recipe import RECIPES
 
             if self.recipe not in RECIPES:
                 raise PuzzlekitError(f"scenario {self.name}: unknown recipe {self.recipe!r}; known: {sorted(RECIPES)}")
@@ -86,7 +86,7 @@ def precision_of(path: str, param: str, op, recipe: str = "") -> str:
     if param in op.fp32_params():
         return "fp32"
     if recipe:
-        from ..passes.quant.recipe import get_recipe
+        from ..ir.quant.recipe import get_recipe
 
         fmt = get_recipe(recipe).format_of(path, param)
     else:
@@ -147,18 +147,53 @@ class MeasuredProvider:
 
     Timings are cached on disk, keyed by op spec, shapes, torch version and thread count. Batches are
     searched up to `max_batch` (each is a real run).
+
+    Timing allocates real tensors, so it is bounded, not extrapolated: a decode timing's state (fp32, plus
+    the copy that grows it) must fit `budget_bytes` (the batch search stops below it), and a prefill runs
+    at most `max_prefill_tokens` (attention's work grows with the square of the length). Beyond either it
+    refuses, naming the size: price such scenarios (e.g. long-1m) on an analytic target.
     """
 
     max_batch = 256
+    max_prefill_tokens = 65536
+    budget_bytes = 2 * 2**30
 
     def __init__(self, cache: Path | None = None, repeats: int = 7, warmup: int = 2):
         self.cache_file = cache or Path(os.environ.get("PUZZLEKIT_CACHE", Path.home() / ".cache" / "puzzlekit")) \
             / "cpu-op-times.json"
         self.repeats, self.warmup = repeats, warmup
         try:
-            self._cache = json.loads(self.cache_file.read_text())
+            raw = json.loads(self.cache_file.read_text())
         except (OSError, ValueError):
-            self._cache = {}
+            raw = {}
+        # a damaged cache entry (NaN, negative, not a number) is timed again rather than trusted
+        self._cache = {k: v for k, v in raw.items() if isinstance(v, float) and math.isfinite(v) and v >= 0} \
+            if isinstance(raw, dict) else {}
+
+    @staticmethod
+    def state_bytes(op, batch: int, context: int) -> int:
+        """Bytes a decode timing of `op` allocates for its state: fp32, and the copy that appends a token."""
+        if not op.is_block:
+            return 0
+        dims = {"B": batch, "L": context}
+        elems = sum(math.prod(dims.get(d, d) for d in shape) for shape in op.state_shapes().values())
+        return 2 * 4 * elems
+
+    def batch_limit(self, ops, context: int) -> int:
+        """The largest batch (at most max_batch) whose decode timings stay within the memory budget."""
+        per = max([self.state_bytes(op, 1, context) for op in ops], default=0)
+        return self.max_batch if per == 0 else min(self.max_batch, int(self.budget_bytes // per))
+
+    def _check(self, op, batch, tokens, context, decode) -> None:
+        fix = "price it on an analytic target (--target h100, or a target file describing this CPU) or a shorter one"
+        if not decode and batch * tokens > self.max_prefill_tokens:
+            raise PuzzlekitError(f"the measured cpu provider runs every prefill it prices; {batch * tokens:,} tokens "
+                                 f"is above its bound of {self.max_prefill_tokens:,}: {fix}")
+        need = self.state_bytes(op, batch, context) if decode else 0
+        if need > self.budget_bytes:
+            raise PuzzlekitError(f"timing a {op.kind} decode step at batch {batch}, context {context:,} would "
+                                 f"allocate {need / 1e9:.1f} GB on this machine, above the measured cpu provider's "
+                                 f"budget of {self.budget_bytes / 1e9:.1f} GB: {fix}")
 
     def _key(self, op, batch, tokens, context, decode) -> str:
         return json.dumps([op.kind, {k: v for k, v in op.attrs().items() if k != "blocks"},
@@ -166,6 +201,7 @@ class MeasuredProvider:
                            torch.__version__, torch.get_num_threads()], sort_keys=True, default=str)
 
     def op_seconds_at(self, op, batch: int, tokens: int, context: int, decode: bool) -> float:
+        self._check(op, batch, tokens, context, decode)
         key = self._key(op, batch, tokens, context, decode)
         if key not in self._cache:
             self._cache[key] = self._time(op, batch, tokens, context, decode)
@@ -255,14 +291,41 @@ class CostModel:
         self.routing = routing if routing is not None else prog.meta.get("routing", {})
         s = self.scenario
         self.act_b, self.kv_b, self.ssm_b = BYTES[s.act_dtype], BYTES[s.kv_dtype], BYTES[s.ssm_dtype]
-        self.precisions = {n.path: self._precisions(n) for n in prog.nodes}
+        self._formats: dict = {}
+        self.precisions = {n.path: self._precisions(n.path, n.op) for n in prog.nodes}
         self._memo: dict = {}  # identical layers (same spec, precisions, routing) are priced once per shape
 
-    def _precisions(self, node) -> dict:
-        op = node.op
+    def _precisions(self, path: str, op) -> dict:
         if op.kind == "lm_head" and op.tied:
             return {"weight": "bf16"}
-        return {k: precision_of(node.path, k, op, self.scenario.recipe) for k in op.params()}
+        fp32 = op.fp32_params()
+        return {k: "fp32" if k in fp32 else self._format(path, k, op) for k in op.params()}
+
+    def _format(self, path: str, param: str, op) -> str:
+        """A parameter's storage precision by the scenario's recipe, looked up once per (path, parameter): the
+        search prices many variants of each layer, and a 512-expert MoE has a thousand parameters."""
+        if not self.scenario.recipe:
+            return precision_of(path, param, op)
+        key = (path, param)
+        if key not in self._formats:
+            self._formats[key] = precision_of(path, param, op, self.scenario.recipe)
+        return self._formats[key]
+
+    def node_costs(self, path: str, op, batch: int, context: int | None = None, routing=None) -> dict:
+        """What a node with spec `op` at `path` adds to the program's figures (decode step at `batch` and
+        `context`, prefill at the scenario's input length, weight and state bytes, parameters): the program's
+        figures are the sum of its nodes' plus a per-step overhead, which is how the search prices variants."""
+        c = self.scenario.context_len if context is None else context
+        prec = self._precisions(path, op)
+        run = op.kind != "mtp"  # the head is kept for drafting; plain decoding does not run it
+        return {"decode_seconds": self._priced(op, prec, routing, batch, 1, c, True) if run else 0.0,
+                "prefill_seconds": self._priced(op, prec, routing, 1, self.scenario.input_len, 0, False) if run else 0.0,
+                "weight_bytes": sum(math.prod(sh) * BYTES[prec[k]] for k, sh in op.params().items()),
+                "state_bytes": op.state_bytes(self.kv_b, self.ssm_b, self.act_b, c),
+                "params": sum(math.prod(sh) for sh in op.params().values()), "active_params": op.active_params()}
+
+    def step_overhead(self) -> float:
+        return self.provider.step_overhead()
 
     # memory
     def weight_bytes(self) -> float:
@@ -283,15 +346,17 @@ class CostModel:
         for n in self.prog.nodes:
             if n.op.kind == "mtp":
                 continue  # the head is kept for drafting; plain decoding does not run it
-            routing = self.routing.get(n.path)
-            key = (n.op, tuple(self.precisions[n.path].items()), None if routing is None else tuple(routing),
-                   batch, tokens, context, decode)
-            if key not in self._memo:
-                self._memo[key] = self._op_seconds(n.op, self.precisions[n.path], routing, batch, tokens, context, decode)
-            sec = self._memo[key]
+            sec = self._priced(n.op, self.precisions[n.path], self.routing.get(n.path), batch, tokens, context, decode)
             per_kind[n.op.kind] = per_kind.get(n.op.kind, 0.0) + sec
             total += sec
         return total, per_kind
+
+    def _priced(self, op, precisions, routing, batch, tokens, context, decode) -> float:
+        key = (op, tuple(precisions.items()), None if routing is None else tuple(routing), batch, tokens, context,
+               decode)
+        if key not in self._memo:
+            self._memo[key] = self._op_seconds(op, precisions, routing, batch, tokens, context, decode)
+        return self._memo[key]
 
     def _op_seconds(self, op, precisions, routing, batch, tokens, context, decode) -> float:
         if isinstance(self.provider, MeasuredProvider):
@@ -308,6 +373,7 @@ class CostModel:
 
     def report(self) -> CostReport:
         s = self.scenario
+        prefill, per_kind_prefill = self._seconds(1, s.input_len, 0, False)  # first: it may be refused (cpu)
         counts = self.prog.param_counts()
         wbytes, state = self.weight_bytes(), self.state_bytes_per_request()
         avail = self.memory_available()
@@ -323,14 +389,20 @@ class CostModel:
             infeasible = (f"rate floor: {s.rate_floor:g} tokens/s per user wanted, batch 1 reaches "
                           f"{1 / self.decode_step_seconds(1):.1f}")
         else:
-            lo, hi = 1, min(limit, self.provider.max_batch)
+            cap = self.provider.max_batch
+            if isinstance(self.provider, MeasuredProvider):
+                cap = min(cap, self.provider.batch_limit([n.op for n in self.prog.nodes if n.op.kind != "mtp"],
+                                                         s.context_len))
+            lo, hi = 1, min(limit, cap)
             while lo < hi:  # decode time grows with the batch: the largest batch meeting the floor
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
             best = lo
         b = max(best, 1)
         step, per_kind_decode = self._seconds(b, 1, s.context_len, True)
-        prefill, per_kind_prefill = self._seconds(1, s.input_len, 0, False)
+        if not all(math.isfinite(x) and x >= 0 for x in (step, prefill, *per_kind_decode.values())):
+            raise PuzzlekitError(f"the cost model priced a step at {step} s and a prefill at {prefill} s on "
+                                 f"{self.target.name}: not finite; check the target's numbers")
         by_kind = {}
         for n in self.prog.nodes:
             k = by_kind.setdefault(n.op.kind, {"count": 0, "weight_bytes": 0.0, "state_bytes_per_request": 0.0})

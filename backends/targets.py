@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,46 +55,105 @@ CPU = Target("cpu", "cpu", 24 * GB, 20 * GB, {"fp32": 100e9, "bf16": 50e9})
 TARGETS: dict[str, Target] = {t.name: t for t in (H100, H200, B200, CPU)}
 TARGETS.update({f"8x{t.name}": t.node(8) for t in (H100, H200, B200)})
 
-_FIELDS = {f.name for f in dataclasses.fields(Target)}
+#: precisions a target file may give peaks for (the math precisions the cost model prices)
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "nvfp4")
+
+
+def _number(path, key: str, v, scale: float = 1.0, zero: bool = False) -> float:
+    """A finite number > 0 (>= 0 with `zero`) times `scale`: a string, list, NaN or negative is refused
+    here, before it prices a model at NaN or infinite speed."""
+    try:
+        x = float(v) * scale if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError:  # an integer too large for a float
+        x = math.inf
+    if not math.isfinite(x) or x < 0 or (x == 0 and not zero):
+        raise PuzzlekitError(f"{path}: {key} must be a finite number {'>=' if zero else '>'} 0, got {v!r}")
+    return x
+
+
+def _integer(path, key: str, v, least: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise PuzzlekitError(f"{path}: {key} must be an integer >= {least}, got {v!r}")
+    return v
+
+
+def _table(path, key: str, v) -> dict:
+    if not isinstance(v, dict):
+        raise PuzzlekitError(f"{path}: {key} must be a table, got {v!r}")
+    return v
+
+
+def _peaks(path, v) -> dict:
+    if not _table(path, "peak_tflops", v):
+        raise PuzzlekitError(f"{path}: peak_tflops is empty; give {{precision = TFLOP/s}} for at least bf16")
+    unknown = sorted(set(v) - set(PRECISIONS))
+    if unknown:
+        raise PuzzlekitError(f"{path}: peak_tflops has unknown precision(s) {unknown}; known: {', '.join(PRECISIONS)}")
+    return {p: _number(path, f"peak_tflops.{p}", x, 1e12) for p, x in v.items()}
+
+
+def _text(path, key: str, v, choices=()) -> str:
+    if not (isinstance(v, str) and (v.strip() or key != "name") and (not choices or v in choices)):
+        want = f"one of {', '.join(choices)}" if choices else "a non-empty string" if key == "name" else "a string"
+        raise PuzzlekitError(f"{path}: {key} must be {want}, got {v!r}")
+    return v
+
+
+#: file field -> how it is checked and which Target field it fills
+_FILE_FIELDS = {
+    "name": ("name", lambda p, v: _text(p, "name", v)),
+    "kind": ("kind", lambda p, v: _text(p, "kind", v, ("gpu", "cpu"))),
+    "memory_gb": ("memory_bytes", lambda p, v: _number(p, "memory_gb", v, GB)),
+    "bandwidth_tbs": ("bandwidth", lambda p, v: _number(p, "bandwidth_tbs", v, TB)),
+    "peak_tflops": ("peak_flops", _peaks),
+    "interconnect_gbs": ("interconnect_bandwidth", lambda p, v: _number(p, "interconnect_gbs", v, GB)),
+    "compute_capability": ("compute_capability", lambda p, v: _text(p, "compute_capability", v)),
+    "devices": ("devices", lambda p, v: _integer(p, "devices", v, 1)),
+    "sms": ("sms", lambda p, v: _integer(p, "sms", v, 0)),
+    "l2_bytes": ("l2_bytes", lambda p, v: _number(p, "l2_bytes", v, zero=True)),
+    "trt": ("trt", lambda p, v: _table(p, "trt", v)),
+}
 
 
 def load_target_file(path: str | Path) -> Target:
-    """A target from TOML or JSON: name, memory_gb, bandwidth_tbs, peak_tflops {precision: TFLOP/s}, ..."""
+    """A target from TOML or JSON: name, memory_gb, bandwidth_tbs, peak_tflops {precision: TFLOP/s}, ...
+
+    Every field is checked for its type and range, naming the field, before anything is priced."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise PuzzlekitError(f"{path}: cannot read the target file ({e})") from None
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise PuzzlekitError(f"{path}: cannot read the target file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise PuzzlekitError(f"{path}: the target file is not UTF-8 text (byte {e.start})") from None
+    try:
+        raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except ValueError as e:
+        raise PuzzlekitError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({e})") from None
     if not isinstance(raw, dict):
         raise PuzzlekitError(f"{path}: a target file holds one table/object of fields")
-    conv = {"memory_gb": ("memory_bytes", GB), "bandwidth_tbs": ("bandwidth", TB),
-            "interconnect_gbs": ("interconnect_bandwidth", GB)}
     vals = {"kind": "gpu"}
     for k, v in raw.items():
-        if k in conv:
-            vals[conv[k][0]] = float(v) * conv[k][1]
-        elif k == "peak_tflops":
-            vals["peak_flops"] = {p: float(x) * 1e12 for p, x in v.items()}
-        elif k in _FIELDS:
-            vals[k] = v
-        else:
-            raise PuzzlekitError(f"{path}: unknown target field {k!r}; known: memory_gb, bandwidth_tbs, "
-                                 f"peak_tflops, interconnect_gbs, {', '.join(sorted(_FIELDS))}")
-    missing = [k for k in ("name", "memory_bytes", "bandwidth", "peak_flops") if k not in vals]
+        if k not in _FILE_FIELDS:
+            raise PuzzlekitError(f"{path}: unknown target field {k!r}; known: {', '.join(_FILE_FIELDS)}")
+        field_name, check = _FILE_FIELDS[k]
+        vals[field_name] = check(path, v)
+    missing = [k for k in ("name", "memory_gb", "bandwidth_tbs", "peak_tflops") if _FILE_FIELDS[k][0] not in vals]
     if vals.get("devices", 1) > 1 and not vals.get("interconnect_bandwidth"):
         missing.append("interconnect_gbs (needed with devices > 1)")
     if missing:
-        raise PuzzlekitError(f"{path}: target needs {missing} (memory_gb, bandwidth_tbs, peak_tflops)")
-    try:
-        return Target(**vals)
-    except (TypeError, ValueError) as e:
-        raise PuzzlekitError(f"{path}: bad target field ({e})") from None
+        raise PuzzlekitError(f"{path}: target needs {', '.join(missing)}")
+    return Target(**vals)
 
 
 def get_target(name: str) -> Target:
     """A built-in target by name ("h100", "8xb200", ...) or a target file."""
     if name in TARGETS:
         return TARGETS[name]
-    if Path(name).is_file():
+    try:
+        is_file = Path(name).is_file()
+    except (OSError, ValueError):  # not a usable path
+        is_file = False
+    if is_file:
         return load_target_file(name)
     raise PuzzlekitError(f"unknown target {name!r}; built-in: {', '.join(TARGETS)}; or pass a .toml/.json file")

@@ -2,20 +2,20 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
+import math
+import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
+from ..outputs import staged_dir
 from .ops import MLP, MTP, OPS, Attention, Embed, LMHead, Mamba2, MoE, Norm, OpSpec
 from .ops.base import QUANT_FORMATS
 from .program import Node, Program
 from .verifier import problems
-from .weights import WeightStore
+from .weights import WeightStore, lazy_tensors, loads_strict
 
 #: layers_block_type spellings (old and new transformers) -> op kind
 LAYER_TYPES = {"mamba": "mamba2", "linear_attention": "mamba2", "M": "mamba2", "moe": "moe", "E": "moe",
@@ -41,6 +41,61 @@ def assemble(embed: Embed, blocks: list[OpSpec], norm: Norm, head: LMHead, mtp: 
 
 
 # -- config -> specs ---------------------------------------------------------------------------------
+#: Sanity bounds, checked before any per-layer or per-expert list is built and before anything is allocated,
+#: so that a wrong size field fails in milliseconds. Nemotron-3 Super: 88 layers, ~42k tensors, 1.2e11
+#: parameters, largest tensor 5.4e8 elements.
+MAX_LAYERS = 10_000
+MAX_TENSORS = 1_000_000
+MAX_TENSOR_ELEMENTS = 2**40
+MAX_PARAMS = 10**13
+
+_INT, _NUM, _BOOL, _STR = "a non-negative integer", "a finite number", "true or false", "a string"
+_LAYOUT, _LIST, _OBJECT = "a string or a list of strings", "a list of objects", "an object"
+#: JSON types of the config fields puzzlekit reads; null means "not set" (the default applies)
+FIELD_TYPES = {
+    **dict.fromkeys(("hidden_size", "vocab_size", "num_hidden_layers", "mamba_num_heads", "mamba_head_dim",
+                     "ssm_state_size", "n_groups", "conv_kernel", "chunk_size", "n_routed_experts",
+                     "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+                     "moe_latent_size", "n_shared_experts", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "num_nextn_predict_layers", "n_group", "topk_group"), _INT),
+    **dict.fromkeys(("layer_norm_epsilon", "time_step_min", "routed_scaling_factor"), _NUM),
+    **dict.fromkeys(("tie_word_embeddings", "use_conv_bias", "norm_topk_prob", "attention_bias", "mlp_bias",
+                     "use_bias", "mamba_proj_bias"), _BOOL),
+    **dict.fromkeys(("dtype", "torch_dtype", "mamba_hidden_act", "mlp_hidden_act"), _STR),
+    **dict.fromkeys(("hybrid_override_pattern", "layers_block_type", "mtp_hybrid_override_pattern",
+                     "mtp_layers_block_type"), _LAYOUT),
+    "block_configs": _LIST, "mtp": _OBJECT,
+}
+_POSITIVE = ("layer_norm_epsilon", "time_step_min")  # also > 0
+
+
+def _finite(v) -> bool:
+    try:
+        return type(v) in (int, float) and math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+_IS = {_INT: lambda v: type(v) is int and v >= 0, _NUM: _finite, _BOOL: lambda v: type(v) is bool,
+       _STR: lambda v: type(v) is str, _LAYOUT: lambda v: type(v) in (str, list),
+       _LIST: lambda v: type(v) is list, _OBJECT: lambda v: type(v) is dict}
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _check_fields(cfg: dict, src: Path) -> None:
+    """Every field puzzlekit reads has its JSON type and range, so no TypeError surfaces later naming nothing."""
+    for k, want in FIELD_TYPES.items():
+        v = cfg.get(k)
+        if v is not None and not _IS[want](v):
+            raise CheckpointError(f"{src}: config field {k!r} must be {want}, got {_short(v)}; fix it in the config")
+        if v is not None and k in _POSITIVE and v <= 0:
+            raise CheckpointError(f"{src}: config field {k!r} must be > 0, got {v!r}; fix it in the config")
+
+
 def _need(cfg: dict, key: str, src: Path):
     if key not in cfg or cfg[key] is None:
         raise CheckpointError(f"{src}: config field {key!r} is missing; it is required for this model")
@@ -65,21 +120,29 @@ def _uniform(kind: str, cfg: dict, src: Path) -> OpSpec:
         return MoE(hidden, g("n_routed_experts"), g("num_experts_per_tok"), g("moe_intermediate_size"),
                    g("moe_shared_expert_intermediate_size") if cfg.get("n_shared_experts", 1) else 0,
                    cfg.get("moe_latent_size") or 0, float(cfg.get("routed_scaling_factor", 1.0)),
-                   bool(cfg.get("norm_topk_prob", True)), eps)
+                   cfg.get("norm_topk_prob", True), eps)
     if kind == "attention":
-        return Attention(hidden, g("num_attention_heads"), cfg.get("num_key_value_heads") or g("num_attention_heads"),
-                         cfg.get("head_dim") or hidden // g("num_attention_heads"), eps)
+        heads = g("num_attention_heads")  # 0 is reported by the op's check, not as a ZeroDivisionError
+        return Attention(hidden, heads, cfg.get("num_key_value_heads") or heads,
+                         cfg.get("head_dim") or hidden // max(heads, 1), eps)
     return MLP(hidden, g("intermediate_size"), eps)
+
+
+def _too_many_layers(src: Path, field: str, n: int) -> CheckpointError:
+    return CheckpointError(f"{src}: {field} declares {n:,} layers, more than the {MAX_LAYERS:,} puzzlekit accepts; "
+                           "is the field (or the file) right?")
 
 
 def _kinds(seq, field: str, src: Path) -> list[str]:
     if not isinstance(seq, (str, list)):
         raise CheckpointError(f"{src}: {field} must be a string or a list, got {type(seq).__name__}")
+    if len(seq) > MAX_LAYERS:
+        raise _too_many_layers(src, field, len(seq))
     out = []
     for i, t in enumerate(seq):
-        if t not in LAYER_TYPES:
+        if not isinstance(t, str) or t not in LAYER_TYPES:
             known = ", ".join(f"{k!r}" for k in LAYER_TYPES)
-            raise CheckpointError(f"{src}: {field} has unknown layer type {t!r} at position {i}; known: {known}")
+            raise CheckpointError(f"{src}: {field} has unknown layer type {_short(t)} at position {i}; known: {known}")
         out.append(LAYER_TYPES[t])
     return out
 
@@ -95,16 +158,27 @@ def _unsupported(cfg: dict, src: Path):
         raise CheckpointError(f"{src}: n_shared_experts={cfg['n_shared_experts']} is not supported (0 or 1)")
 
 
-def _spec_from_dict(d: dict, where: str) -> OpSpec:
+BLOCK_KINDS = tuple(sorted(k for k, c in OPS.items() if c.is_block))
+
+
+def _spec_from_dict(d, where: str, kinds=BLOCK_KINDS) -> OpSpec:
+    """One op spec from its JSON object; `kinds` are the block types allowed at this place."""
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{where} must be an object with a block_type, got {_short(d)}")
     d = dict(d)
     kind = d.pop("block_type", None)
-    if kind not in OPS or kind == "opaque":
-        raise CheckpointError(f"{where}: unknown block_type {kind!r}; known: {sorted(k for k in OPS if k != 'opaque')}")
+    if not isinstance(kind, str) or kind not in kinds:
+        raise CheckpointError(f"{where}: unknown block_type {_short(kind)}; known here: {list(kinds)}")
     if kind == "mtp":
-        d["blocks"] = tuple(_spec_from_dict(b, f"{where}.blocks[{i}]") for i, b in enumerate(d.get("blocks", [])))
+        blocks = d.get("blocks", [])
+        if not isinstance(blocks, list):
+            raise CheckpointError(f"{where}.blocks must be a list of block objects, got {_short(blocks)}")
+        if len(blocks) > MAX_LAYERS:
+            raise _too_many_layers(where, "blocks", len(blocks))
+        d["blocks"] = tuple(_spec_from_dict(b, f"{where}.blocks[{i}]") for i, b in enumerate(blocks))
     try:
         return OPS[kind](**d)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise CheckpointError(f"{where}: bad attributes for {kind}: {e}") from None
 
 
@@ -117,44 +191,110 @@ def _spec_to_dict(op: OpSpec) -> dict:
     return d
 
 
+def _our_layers(cfg: dict, src: Path) -> tuple[list[OpSpec], OpSpec | None]:
+    """Per-layer specs from our `block_configs` (and `mtp`) objects."""
+    if len(cfg["block_configs"]) > MAX_LAYERS:
+        raise _too_many_layers(src, "block_configs", len(cfg["block_configs"]))
+    blocks = [_spec_from_dict(d, f"{src}: block_configs[{i}]") for i, d in enumerate(cfg["block_configs"])]
+    mtp = _spec_from_dict(cfg["mtp"], f"{src}: mtp", ("mtp",)) if "mtp" in cfg else None
+    n = cfg.get("num_nextn_predict_layers")
+    if n is not None and n != int(mtp is not None):
+        raise CheckpointError(f"{src}: num_nextn_predict_layers is {n} but the config has "
+                              f"{'an' if mtp else 'no'} `mtp` object; make them agree")
+    return blocks, mtp
+
+
+def _hf_layers(cfg: dict, src: Path) -> tuple[list[OpSpec], OpSpec | None]:
+    """Uniform specs (one per layer kind) from a Hugging Face `nemotron_h` layout and its MTP fields."""
+    if cfg.get("layers_block_type") is not None:
+        kinds = _kinds(cfg["layers_block_type"], "layers_block_type", src)
+    elif cfg.get("hybrid_override_pattern") is not None:
+        kinds = _kinds(cfg["hybrid_override_pattern"], "hybrid_override_pattern", src)
+    else:
+        raise CheckpointError(f"{src}: config needs `layers_block_type` or `hybrid_override_pattern`")
+    cache: dict[str, OpSpec] = {}
+    blocks = [cache.setdefault(k, _uniform_spec(k, cfg, src)) for k in kinds]
+    n_mtp = cfg.get("num_nextn_predict_layers", 0)
+    if n_mtp > 1:
+        raise CheckpointError(f"{src}: num_nextn_predict_layers={n_mtp}: only one MTP head is supported")
+    if n_mtp == 0:
+        return blocks, None
+    pattern = cfg.get("mtp_hybrid_override_pattern") or cfg.get("mtp_layers_block_type") or "*E"
+    field = "mtp_hybrid_override_pattern" if isinstance(pattern, str) else "mtp_layers_block_type"
+    mblocks = [_uniform_spec(k, cfg, src) for k in _kinds(pattern, field, src)]
+    return blocks, MTP(cfg["hidden_size"], tuple(mblocks), cfg.get("layer_norm_epsilon", 1e-5))
+
+
+def _model_dtype(cfg: dict, src: Path) -> str:
+    field = "dtype" if cfg.get("dtype") else "torch_dtype"
+    name = cfg.get(field) or "bfloat16"
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point or dt.itemsize < 2:
+        raise CheckpointError(f"{src}: config field {field!r} is {name!r}; the model dtype must be float32, "
+                              "bfloat16, float16 or float64")
+    return name
+
+
+def _tensor_bound(op: OpSpec) -> int:
+    """An upper bound on len(op.params()) that does not build it (a MoE lists two tensors per expert)."""
+    return 16 + 2 * max(getattr(op, "experts", 0), 0) + sum(_tensor_bound(b) for b in getattr(op, "blocks", ()))
+
+
+def _node_elements(node: Node, src: Path) -> int:
+    total = 0
+    for local, shape in node.op.params().items():
+        n = math.prod(max(d, 0) for d in shape)
+        if n > MAX_TENSOR_ELEMENTS:
+            raise CheckpointError(f"{src}: tensor {node.path}.{local} would have shape {list(shape)}, {n:.3g} "
+                                  f"elements, more than the 2^40 puzzlekit accepts; check the config's size fields")
+        total += n
+    return total
+
+
+def _check_size(prog: Program, src: Path) -> None:
+    """Refuses absurd sizes (a wrong field: 10^9 experts, hidden_size 10^12) before the verifier or the
+    weights list every tensor; each distinct spec's shapes are listed once."""
+    tensors = sum(_tensor_bound(n.op) for n in prog.nodes)
+    if tensors > MAX_TENSORS:
+        raise CheckpointError(f"{src}: the config declares about {tensors:,} weight tensors, more than the "
+                              f"{MAX_TENSORS:,} puzzlekit accepts; check the layer and expert counts")
+    per_spec: dict[OpSpec, int] = {}
+    total = 0
+    for n in prog.nodes:
+        if n.op not in per_spec:
+            per_spec[n.op] = _node_elements(n, src)
+        total += per_spec[n.op]
+    if total > MAX_PARAMS:
+        raise CheckpointError(f"{src}: the config declares {total:.3g} parameters, more than the {MAX_PARAMS:.0e} "
+                              "puzzlekit accepts; check the config's size fields")
+
+
+def _check_layer_count(cfg: dict, blocks: list, src: Path) -> None:
+    n = cfg.get("num_hidden_layers")
+    if n is not None and n != len(blocks):
+        raise CheckpointError(f"{src}: num_hidden_layers is {n:,} but the layer layout has {len(blocks)} layers; "
+                              "make them agree")
+
+
 def program_from_config(cfg: dict, src: Path) -> Program:
+    """The Program a config describes (no weights), every field type- and range-checked first."""
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{src}: config must be a JSON object")
-    _unsupported(cfg, src)
-    hidden, vocab = _need(cfg, "hidden_size", src), _need(cfg, "vocab_size", src)
-    eps = cfg.get("layer_norm_epsilon", 1e-5)
+    _check_fields(cfg, src)
+    c = {k: v for k, v in cfg.items() if v is not None}
+    _unsupported(c, src)
+    hidden, vocab = _need(c, "hidden_size", src), _need(c, "vocab_size", src)
     for k, v in (("hidden_size", hidden), ("vocab_size", vocab)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        if v <= 0:
             raise CheckpointError(f"{src}: config field {k!r} must be a positive integer, got {v!r}")
-    if "block_configs" in cfg:
-        blocks = [_spec_from_dict(d, f"{src}: block_configs[{i}]") for i, d in enumerate(cfg["block_configs"])]
-        mtp = _spec_from_dict(cfg["mtp"], f"{src}: mtp") if cfg.get("mtp") else None
-    else:
-        if cfg.get("layers_block_type") is not None:
-            kinds = _kinds(cfg["layers_block_type"], "layers_block_type", src)
-        elif cfg.get("hybrid_override_pattern") is not None:
-            kinds = _kinds(cfg["hybrid_override_pattern"], "hybrid_override_pattern", src)
-        else:
-            raise CheckpointError(f"{src}: config needs `layers_block_type` or `hybrid_override_pattern`")
-        cache: dict[str, OpSpec] = {}
-        blocks = [cache.setdefault(k, _uniform_spec(k, cfg, src)) for k in kinds]
-        mtp = None
-        n_mtp = cfg.get("num_nextn_predict_layers") or 0
-        if not isinstance(n_mtp, int) or isinstance(n_mtp, bool) or n_mtp < 0:
-            raise CheckpointError(f"{src}: num_nextn_predict_layers must be a non-negative integer, got {n_mtp!r}")
-        if n_mtp > 1:
-            raise CheckpointError(f"{src}: num_nextn_predict_layers={n_mtp}: only one MTP head is supported")
-        if n_mtp == 1:
-            pattern = cfg.get("mtp_hybrid_override_pattern") or cfg.get("mtp_layers_block_type") or "*E"
-            field = "mtp_hybrid_override_pattern" if isinstance(pattern, str) else "mtp_layers_block_type"
-            mblocks = [_uniform_spec(k, cfg, src) for k in _kinds(pattern, field, src)]
-            mtp = MTP(hidden, tuple(mblocks), eps)
-    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
-    if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
-        raise CheckpointError(f"{src}: config dtype {dtype!r} is not a torch dtype")
-    return assemble(Embed(vocab, hidden), blocks, Norm(hidden, eps),
-                    LMHead(vocab, hidden, bool(cfg.get("tie_word_embeddings", False))), mtp,
-                    meta={"dtype": str(dtype), "config": cfg})
+    blocks, mtp = _our_layers(c, src) if "block_configs" in c else _hf_layers(c, src)
+    _check_layer_count(c, blocks, src)
+    eps = c.get("layer_norm_epsilon", 1e-5)
+    prog = assemble(Embed(vocab, hidden), blocks, Norm(hidden, eps),
+                    LMHead(vocab, hidden, c.get("tie_word_embeddings", False)), mtp,
+                    meta={"dtype": _model_dtype(c, src), "config": cfg})
+    _check_size(prog, src)
+    return prog
 
 
 def meta_weights(prog: Program, dtype: torch.dtype = torch.bfloat16) -> Program:
@@ -167,37 +307,145 @@ def meta_weights(prog: Program, dtype: torch.dtype = torch.bfloat16) -> Program:
 
 
 # -- load ------------------------------------------------------------------------------------------------
+class CheckpointWarning(UserWarning):
+    """A checkpoint loaded, but not exactly as stored (tensors cast to the dtype the model computes in)."""
+
+
 def _read_json(file: Path):
     try:
-        return json.loads(file.read_text())
+        return loads_strict(file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{file} is not UTF-8 text (byte {e.start}); is it really a JSON config?") from None
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{file} is not usable JSON ({e}); fix the file") from None
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read ({e.strerror})") from None
 
 
-def _shard_files(d: Path) -> list[Path]:
-    if (d / INDEX).exists():
-        index = _read_json(d / INDEX)
-        wm = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(wm, dict):
-            raise CheckpointError(f"{d / INDEX}: has no `weight_map` object")
-        files = sorted(set(wm.values()))
-        missing = [f for f in files if not (d / f).exists()]
-        if missing:
-            raise CheckpointError(f"{d / INDEX} names shard(s) {missing} that are not in {d}")
-        return [d / f for f in files]
-    return sorted(d.glob("*.safetensors"))
+def _inside(f: Path, d: Path) -> bool:
+    """Whether `f` resolves into `d`, or, for a Hugging Face hub cache snapshot (whose files are symlinks),
+    into the blobs/ folder of its repository."""
+    real, root = f.resolve(), d.resolve()
+    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    return real.is_relative_to(root) or real.parent == hub_blobs
+
+
+def _shard(d: Path, name: str, where) -> Path:
+    """Shard `name` (from the index or the listing `where`), checked to be a visible regular file inside `d`."""
+    rel = Path(name)
+    if rel.is_absolute() or not rel.parts or any(p.startswith(".") for p in rel.parts):
+        raise CheckpointError(f"{where}: shard path {name!r} must be relative to the checkpoint directory, with no "
+                              "'..' and no hidden (dot) names; fix the index")
+    f = d / rel
+    if not f.is_file():
+        raise CheckpointError(f"{where} names shard {name!r}, which is not a file in {d}")
+    if not _inside(f, d):
+        raise CheckpointError(f"{where}: shard {name!r} resolves to {f.resolve()}, outside {d}; copy the file into "
+                              "the checkpoint directory")
+    return f
+
+
+def _index_map(d: Path) -> dict[str, Path] | None:
+    """The index's tensor -> shard file map (the index is authoritative); None when there is no index."""
+    if not (d / INDEX).exists():
+        return None
+    index = _read_json(d / INDEX)
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict):
+        raise CheckpointError(f"{d / INDEX}: has no `weight_map` object")
+    bad = next((k for k, v in wm.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise CheckpointError(f"{d / INDEX}: weight_map[{bad!r}] must be a file name, got {_short(wm[bad])}")
+    files = {v: _shard(d, v, d / INDEX) for v in sorted(set(wm.values()))}
+    return {k: files[v] for k, v in wm.items()}
+
+
+def _listed_shards(d: Path) -> list[Path]:
+    """The `*.safetensors` files of an unindexed checkpoint; hidden ones (staging files) are not shards."""
+    return [_shard(d, f.name, d) for f in sorted(d.glob("*.safetensors")) if not f.name.startswith(".") and f.is_file()]
+
+
+def _checkpoint_tensors(d: Path) -> dict:
+    """Every tensor of the checkpoint, unread, each from exactly one file: the one the index names or,
+    without an index, the only file that holds it."""
+    wm = _index_map(d)
+    found, where = {}, {}
+    for f in sorted(set(wm.values())) if wm is not None else _listed_shards(d):
+        for name, t in lazy_tensors(f).items():
+            if wm is not None and wm.get(name) != f:
+                says = f"assigns it to {wm[name]}" if name in wm else "does not list it"
+                raise CheckpointError(f"{f} holds tensor {name!r} but {d / INDEX} {says}; remove the stray tensor "
+                                      "or fix the index")
+            if name in where:
+                raise CheckpointError(f"tensor {name!r} is stored twice, in {where[name]} and in {f}; remove the "
+                                      f"stray file (or add a {INDEX} saying which file holds what)")
+            found[name], where[name] = t, f
+    missing = [k for k in wm or {} if k not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{d / INDEX} assigns tensor {missing[0]!r}{more} to {wm[missing[0]]}, which does "
+                              "not hold it; re-download the shard or regenerate the index")
+    return found
 
 
 def _meta_only(d: Path) -> bool:
     """A directory written by `save` for a meta program holds just its config (marked in it)."""
     try:
         return bool(json.loads((d / "config.json").read_text()).get("meta_only"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return False
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _cast_to_model_dtype(prog: Program, dtype: torch.dtype, src: Path) -> None:
+    """A tensor stored in another float dtype than its op computes in is cast on read (else the first matmul
+    fails): silently when that widens it (a router weight stored in bfloat16, kept in float32), with a
+    warning and a note in `prog.meta["notes"]` when it loses precision. 8-bit floats are refused (without
+    a quantization config they have no scales); integer tensors are left to the verifier, which refuses them."""
+    w, lossy = prog.weights, []
+    for n in prog.nodes:
+        quantised, fp32 = dict(n.op.quant), n.op.fp32_params()
+        for local in n.op.params():
+            full = f"{n.path}.{local}"
+            if local in quantised or full not in w or w.is_quantized(full):
+                continue
+            have, want = w.dtype(full), torch.float32 if local in fp32 else dtype
+            if have == want or not have.is_floating_point:
+                continue
+            if have.itemsize == 1:
+                raise CheckpointError(f"{w.source(full)}: tensor {full!r} is stored as {_dtype_name(have)}, but the "
+                                      f"config does not quantise it and the model computes in {_dtype_name(want)}; "
+                                      "add its quantization config (and _scale tensors) or convert it")
+            w.cast_on_read(full, want)
+            if torch.promote_types(have, want) != want:
+                lossy.append(f"{full} {_dtype_name(have)} -> {_dtype_name(want)}")
+    if lossy:
+        note = (f"{len(lossy)} tensor(s) are stored in another dtype than the model's and are cast on read, losing "
+                f"precision (e.g. {lossy[0]}); re-save them in {_dtype_name(dtype)} or change the config's dtype")
+        prog.meta.setdefault("notes", []).append(note)
+        warnings.warn(f"{src}: {note}", CheckpointWarning, stacklevel=3)
+
+
+def _drop_tied_head_copy(prog: Program, src: Path) -> None:
+    """transformers saves `lm_head.weight` even when the config ties it to the embedding: the copy is
+    accepted (and dropped) when it equals the embedding, refused when it differs (which would be meant?)."""
+    heads, embeds, w = prog.find("lm_head"), prog.find("embed"), prog.weights
+    if len(heads) != 1 or len(embeds) != 1 or not heads[0].op.tied:
+        return
+    head, emb = f"{heads[0].path}.weight", f"{embeds[0].path}.weight"
+    if head not in w or emb not in w:
+        return
+    if not w.equal(head, emb):
+        raise CheckpointError(f"{src}: the config sets tie_word_embeddings=true, but the stored {head!r} differs "
+                              f"from {emb!r} (transformers' NemotronH would use the stored head); set "
+                              "tie_word_embeddings to false in config.json to use it, or remove it to tie the head")
+    w.delete(head)
+    prog.meta.setdefault("notes", []).append(f"{head} equals {emb} (the head is tied) and is not kept")
 
 
 def load(path, check_finite: bool = False) -> Program:
@@ -219,20 +467,21 @@ def load(path, check_finite: bool = False) -> Program:
     spec_problems = [p for p in problems(prog) if "weight" not in p]
     if spec_problems:
         raise CheckpointError(f"{cfg_file} describes an inconsistent model:\n  " + "\n  ".join(spec_problems))
-    files = _shard_files(d) if d is not None else []
-    if d is not None and not files and not _meta_only(d):
-        raise CheckpointError(f"{d} has a config.json but no *.safetensors weights; to plan on shapes alone, "
-                              f"pass {d / 'config.json'} itself")
+    tensors = _checkpoint_tensors(d) if d is not None else {}
+    if d is not None and not tensors and not _meta_only(d):
+        raise CheckpointError(f"{d} has a config.json but no tensors in *.safetensors files; to plan on shapes "
+                              f"alone, pass {d / 'config.json'} itself")
     prog.meta["source"] = str(path.resolve())
     dtype = getattr(torch, prog.meta["dtype"])
-    if not files:
+    if not tensors:
         return meta_weights(prog, dtype)
-    for f in files:
-        prog.weights.add_safetensors(f)
+    prog.weights.update(tensors)
     for n in prog.nodes:
         for local, fmt in n.op.quant:
             if f"{n.path}.{local}_scale" in prog.weights:
                 prog.weights.group_quantized(f"{n.path}.{local}", QUANT_FORMATS.get(fmt, ("?",))[0], dtype)
+    _cast_to_model_dtype(prog, dtype, path)
+    _drop_tied_head_copy(prog, path)
     found = problems(prog, check_finite)
     if found:
         raise CheckpointError(f"checkpoint {path} does not match its config:\n  " + "\n  ".join(found))
@@ -248,7 +497,7 @@ def config_of(prog: Program) -> dict:
     opaque = prog.find("opaque")
     if opaque:
         raise CheckpointError(f"save: node {opaque[0].path} is opaque (traced, unrecognised); "
-                              "register its module class with puzzlekit.ir.register_module to save it")
+                              "register its module class with puzzlekit.register_module to save it")
     mtp = prog.find("mtp")
     kept = {k: v for k, v in prog.meta.get("config", {}).items()
             if k in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")}
@@ -293,23 +542,6 @@ def quantization_config(prog: Program) -> dict:
             "quantized_layers": layers}
 
 
-def _atomic_dir(path: Path, overwrite: bool, inputs: set[Path]):
-    if path.resolve() in inputs or any(p.is_relative_to(path.resolve()) for p in inputs):
-        raise CheckpointError(f"{path} holds this program's own input tensors; save to a new directory")
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(f"{path} is a file; save needs a directory path")
-    if path.exists() and any(path.iterdir()) and not overwrite:
-        raise CheckpointError(f"{path} already exists and is not empty; pass overwrite=True or pick a new path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    tmp.chmod(0o777 & ~_UMASK)  # mkdtemp makes it private; an output directory should not be
-    return tmp
-
-
-_UMASK = os.umask(0)  # read once, at import: os.umask can only be read by setting it
-os.umask(_UMASK)
-
-
 def _stored_tensors(name: str, value) -> dict:
     """A weight as the serving layout stores it: quantised ones as values + `_scale` (+ `_scale_2`)."""
     if isinstance(value, torch.Tensor):
@@ -337,9 +569,7 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
     if metas and len(metas) != len(names):
         raise CheckpointError(f"save: {len(metas)} tensors are meta (e.g. {metas[0]}) and the rest real; "
                               "materialise or drop them first")
-    inputs = {Path(w.source(k)).resolve().parent for k in names if w.source(k) is not None}
-    tmp = _atomic_dir(path, overwrite, inputs)
-    try:
+    with staged_dir(path, overwrite, prog.input_paths(), need_bytes=0 if metas else sum(w.nbytes(k) for k in names)) as tmp:
         (tmp / "config.json").write_text(json.dumps({**cfg, **({"meta_only": True} if metas else {})}, indent=2)
                                          + "\n")
         if not metas:
@@ -363,20 +593,4 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
             if len(shards) > 1:
                 index = {"metadata": {"total_size": sum(w.nbytes(k) for k in names)}, "weight_map": weight_map}
                 (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        for f in tmp.iterdir():
-            f.chmod(0o666 & ~_UMASK)
-        if path.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-            os.replace(path, trash / "old")
-            try:
-                os.replace(tmp, path)
-            except OSError:
-                os.replace(trash / "old", path)  # put the old checkpoint back
-                raise
-            shutil.rmtree(trash)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path

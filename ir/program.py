@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -55,6 +56,13 @@ class Program:
     @property
     def is_meta(self) -> bool:
         return any(self.weights.is_meta(n) for n in self.weights.names())
+
+    def input_paths(self) -> set[Path]:
+        """Where this program was read from (its checkpoint or config, and the directories of its lazy
+        tensors): what no output may replace."""
+        w = self.weights
+        found = {Path(w.source(k)).parent for k in w.names() if w.source(k) is not None}
+        return found | ({Path(self.meta["source"])} if self.meta.get("source") else set())
 
     def copy(self) -> Program:
         """An independent Program; tensors are shared (treated as immutable)."""

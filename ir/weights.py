@@ -1,6 +1,7 @@
 """WeightStore: named tensors that are eager (in memory), lazy (read from safetensors on use) or meta (shape only)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -50,9 +51,10 @@ class _Lazy:
     file: Path
     key: str
     shape: tuple
-    dtype: torch.dtype
+    dtype: torch.dtype  # as read (after `stored` is cast to it)
     start: int  # byte range in the file
     end: int
+    stored: torch.dtype | None = None  # the file's dtype, when it differs from `dtype`
 
     def read(self) -> torch.Tensor:
         """Reads just this tensor with plain file IO: no memory map, so memory is bounded by the tensor."""
@@ -63,24 +65,107 @@ class _Lazy:
             f.seek(self.start)
             if f.readinto(buf) != len(buf):
                 raise CheckpointError(f"{self.file}: tensor {self.key!r} is cut short; the file is truncated")
-        return torch.frombuffer(buf, dtype=self.dtype).reshape(self.shape)
+        t = torch.frombuffer(buf, dtype=self.stored or self.dtype).reshape(self.shape)
+        return t if self.stored is None else t.to(self.dtype)
+
+    def chunks(self, size: int = 1 << 24):
+        """The stored bytes in pieces of at most `size` (to compare big tensors in bounded memory)."""
+        with open(self.file, "rb") as f:
+            f.seek(self.start)
+            for pos in range(self.start, self.end, size):
+                yield f.read(min(size, self.end - pos))
 
 
-def read_safetensors_header(file: Path) -> tuple[dict, int]:
-    """The header (name -> dtype, shape, data_offsets) and where the data starts."""
+#: the safetensors library's own limit on the header length
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object hook: a repeated key is an error (json.loads would silently keep the last one)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} appears twice")
+        out[k] = v
+    return out
+
+
+def loads_strict(text: str):
+    """json.loads that refuses repeated keys; ValueError (or RecursionError on absurd nesting) otherwise."""
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
+def _read_header(file: Path) -> tuple[dict, int, int]:
+    """The raw header object, where the data starts and the file size; the length checks come first."""
     try:
+        size = file.stat().st_size
         with open(file, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            size = file.stat().st_size
-            if not 2 <= n <= size - 8:
-                raise ValueError(f"header length {n} does not fit a file of {size} bytes")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+            prefix = f.read(8)
+            n = int.from_bytes(prefix, "little")
+            if len(prefix) < 8 or not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
+                raise ValueError(f"header length {n if len(prefix) == 8 else '?'} does not fit a file of {size} "
+                                 f"bytes within the {MAX_HEADER_BYTES}-byte limit")
+            header = loads_strict(f.read(n).decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CheckpointError(f"{file}: not a readable safetensors file ({e}); re-save it or re-download it") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: the safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    return header, 8 + n
+        raise CheckpointError(f"{file}: the safetensors header is not a JSON object; re-save or re-download it")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{file}: the header's __metadata__ must map strings to strings; re-save the file")
+    return header, 8 + n, size
+
+
+def _is_count(v) -> bool:
+    return type(v) is int and v >= 0  # JSON integers only: not bool, not float
+
+
+def _entry(file: Path, key: str, info, base: int) -> _Lazy:
+    """One header entry, checked field by field (dtype, shape, data_offsets and their agreement)."""
+    bad = lambda what: CheckpointError(f"{file}: tensor {key!r}: {what}; the header is corrupt, "
+                                       "re-save the file or re-download it")
+    if not isinstance(info, dict):
+        raise bad("the entry is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise bad(f"dtype {dtype!r} is not a string")
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"{file}: tensor {key!r} has dtype {dtype!r}, which puzzlekit does not read (it reads "
+                              f"{', '.join(_DTYPES)}); convert the tensor")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise bad(f"data_offsets {offsets!r} is not two non-negative integers")
+    start, end = offsets
+    nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
+    if end < start or end - start != nbytes:
+        raise bad(f"data_offsets {offsets} span {end - start} bytes, but {dtype} {shape} needs {nbytes}")
+    return _Lazy(file, key, tuple(shape), _DTYPES[dtype], base + start, base + end)
+
+
+def _check_tiling(file: Path, entries: dict[str, _Lazy], base: int, size: int) -> None:
+    """Like the safetensors library: sorted by offset, the tensors cover the data region exactly, with no
+    overlap and no gap, from its first byte to the end of the file."""
+    pos, prev = base, None
+    for t in sorted(entries.values(), key=lambda t: (t.start, t.end)):
+        if t.start != pos:
+            how = f"overlaps {prev!r}" if t.start < pos else f"leaves {t.start - pos} unused bytes before it"
+            raise CheckpointError(f"{file}: tensor {t.key!r} starts at data byte {t.start - base}, expected "
+                                  f"{pos - base}: it {how}; the file is corrupt, re-save or re-download it")
+        pos, prev = t.end, t.key
+    if pos != size:
+        how = "the file is truncated" if pos > size else f"{size - pos} trailing bytes belong to no tensor"
+        raise CheckpointError(f"{file}: the tensors' data ends at byte {pos} but the file has {size} bytes: "
+                              f"{how}; re-save or re-download it")
+
+
+def lazy_tensors(file: Path) -> dict[str, _Lazy]:
+    """Every tensor of a safetensors file, unread, after validating its header."""
+    file = Path(file)
+    header, base, size = _read_header(file)
+    entries = {k: _entry(file, k, info, base) for k, info in header.items()}
+    _check_tiling(file, entries, base, size)
+    return entries
 
 
 class WeightStore:
@@ -111,21 +196,20 @@ class WeightStore:
 
     def add_safetensors(self, file: Path) -> list[str]:
         """Registers every tensor of a safetensors file lazily; returns their names."""
-        file = Path(file)
-        header, base = read_safetensors_header(file)
-        size = file.stat().st_size
-        for k, info in header.items():
-            try:
-                dtype, shape, (start, end) = _DTYPES.get(info["dtype"]), tuple(info["shape"]), info["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{file}: header entry {k!r} is malformed") from None
-            if dtype is None:
-                raise CheckpointError(f"{file}: tensor {k!r} has unsupported dtype {info['dtype']}")
-            if end - start != math.prod(shape) * dtype.itemsize or base + end > size:
-                raise CheckpointError(f"{file}: tensor {k!r} ({info['dtype']} {list(shape)}) does not fit its byte "
-                                      f"range; the file is truncated or corrupt")
-            self._entries[k] = _Lazy(file, k, shape, dtype, base + start, base + end)
-        return list(header)
+        entries = lazy_tensors(file)
+        self.update(entries)
+        return list(entries)
+
+    def update(self, entries: dict) -> None:
+        """Adds entries as they are: tensors, quantised weights or lazy tensors (from `lazy_tensors`)."""
+        self._entries.update(entries)
+
+    def cast_on_read(self, name: str, dtype: torch.dtype) -> None:
+        """Makes a lazy tensor read as `dtype` (a stored dtype that differs from the model's)."""
+        e = self._entries[name]
+        if not isinstance(e, _Lazy):
+            raise TypeError(f"{name!r} is not a lazy tensor")
+        self._entries[name] = dataclasses.replace(e, dtype=dtype, stored=e.stored or e.dtype)
 
     def delete(self, name: str) -> None:
         del self._entries[name]
@@ -176,13 +260,23 @@ class WeightStore:
         if isinstance(e, Deferred):
             return e.compute()
         if isinstance(e, _LazyQuant):
-            from ..passes.quant.formats import FP8Tensor, NVFP4Tensor
+            from .quant.formats import FP8Tensor, NVFP4Tensor
 
             t = {r: p.read() for r, p in e.parts.items()}
             if e.format.startswith("nvfp4"):
                 return NVFP4Tensor(t["data"], t["scale"], t["scale_2"], e.dtype)
             return FP8Tensor(t["data"], t["scale"], e.dtype)
         return e
+
+    def equal(self, a: str, b: str) -> bool:
+        """Whether two weights hold the same values; lazy ones stored alike compare bytes in bounded chunks."""
+        x, y = self._entries[a], self._entries[b]
+        if tuple(x.shape) != tuple(y.shape):
+            return False
+        if isinstance(x, _Lazy) and isinstance(y, _Lazy) and (x.stored or x.dtype) == (y.stored or y.dtype):
+            return all(p == q for p, q in zip(x.chunks(), y.chunks()))
+        tx, ty = self.get(a), self.get(b)
+        return tx.dtype == ty.dtype and torch.equal(tx, ty)
 
     def nbytes(self, name: str) -> int:
         e = self._entries[name]

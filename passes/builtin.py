@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import field
+from typing import ClassVar
 
 from ..ir import Program, print_program, verify
 from ..ir.ops import Noop
@@ -23,6 +24,8 @@ def routing_stats(prog: Program, am: AnalysisManager, samples: int = 16, seq: in
     from ..backends.torch import materialize
     from .quant import calibration_windows
 
+    if samples < 1 or seq < 1:
+        raise PassError(f"routing analysis: samples={samples} and seq={seq} must both be >= 1")
     model = materialize(prog)
     counts: dict[str, torch.Tensor] = {}
     hooks = []
@@ -122,6 +125,7 @@ class SetTopK(Pass):
 
     k: int
     layers: list[int] = field(default_factory=list)
+    minimum: ClassVar[dict] = {"k": 1}
 
     def run(self, prog, am):
         changed = False
@@ -155,6 +159,7 @@ class Repeat(Pass):
     """Run the nested pipeline `n` times: repeat{n=3}(a,b)."""
 
     nested = True
+    minimum: ClassVar[dict] = {"n": 1}
     n: int = 1
     body: list = field(default_factory=list)
 

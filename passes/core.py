@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -58,7 +59,18 @@ class Pass:
     pass_name: ClassVar[str] = ""
     #: a pass that takes a nested pipeline, like repeat{n=3}(a,b), gets it in `self.body`
     nested: ClassVar[bool] = False
+    #: the least value of numeric options that count something, e.g. {"samples": 1}
+    minimum: ClassVar[dict] = {}
     body: list
+
+    def __post_init__(self):
+        """Refuses what no option can mean, however the pass is built: NaN/inf floats, counts below `minimum`."""
+        for k, v in self.options().items():
+            for x in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(x, float) and not math.isfinite(x):
+                    raise PassError(f"pass {self.pass_name!r}: option {k}={x} is not a finite number")
+            if k in self.minimum and v < self.minimum[k]:
+                raise PassError(f"pass {self.pass_name!r}: option {k}={v} must be >= {self.minimum[k]}")
 
     def run(self, prog: Program, am: AnalysisManager) -> Preserved:
         raise NotImplementedError

@@ -55,8 +55,9 @@ class PassManager:
                     verify(prog)
             except PuzzlekitError as e:
                 raise PassError(f"pass {label} failed: {e}\n  passes run before it: {', '.join(ran) or 'none'}") from e
-            except Exception as e:  # a bug in a pass: still say which pass, keep the traceback chained
-                raise PassError(f"pass {label} failed with {type(e).__name__}: {e}\n"
+            except (Exception, SystemExit) as e:  # a bug in a pass: still say which pass, keep the traceback chained
+                what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+                raise PassError(f"pass {label} failed: {what}\n"
                                 f"  passes run before it: {', '.join(ran) or 'none'}") from e
             ins.timings.append((label, time.perf_counter() - start))
             ran.append(label)

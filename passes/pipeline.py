@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import re
 import typing
 from pathlib import Path
@@ -71,6 +72,8 @@ def _coerce(raw, tp, where: str):
         if tp is int:
             return int(s)
         if tp is float:
+            if not math.isfinite(float(s)):
+                raise PassError(f"{where}: {s!r} is not a finite float")
             return float(s)
         if isinstance(tp, type) and issubclass(tp, enum.Enum):
             return tp[s]
@@ -207,7 +210,9 @@ class _Parser:
             self.fail(f"pass {name!r} needs option(s) {', '.join(missing)}", at)
         try:
             p = cls(**opts)
-        except (TypeError, ValueError, PassError) as e:
+        except PassError as e:  # already names the pass (see Pass.__post_init__)
+            self.fail(str(e), at)
+        except (TypeError, ValueError) as e:
             self.fail(f"pass {name!r}: {e}", at)
         if cls.nested:
             self.expect("(")
@@ -225,12 +230,21 @@ def parse_pipeline(text: str) -> list[Pass]:
 
 
 def resolve_pipeline(arg: str) -> str:
-    """A pipeline argument is a file path, the name of a file in tools/pipelines/, or pipeline text."""
+    """A pipeline argument is a file path, the name of a file in tools/pipelines/, or pipeline text.
+
+    A file that exists but cannot be read or is not UTF-8 is an error, not pipeline text."""
     for f in (Path(arg), PIPELINES_DIR / f"{arg}.pipeline"):
         try:
-            if f.is_file():
-                lines = [ln.split("#", 1)[0].strip() for ln in f.read_text().splitlines()]
-                return " ".join(ln for ln in lines if ln)
-        except OSError:
-            pass
+            if not f.is_file():
+                continue
+        except (OSError, ValueError):  # not a usable path (e.g. pipeline text longer than a file name)
+            continue
+        try:
+            text = f.read_bytes().decode("utf-8")
+        except OSError as e:
+            raise PassError(f"cannot read the pipeline file {f}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise PassError(f"the pipeline file {f} is not UTF-8 text (byte {e.start})") from None
+        lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+        return " ".join(ln for ln in lines if ln)
     return arg

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from puzzlekit import ir
 from puzzlekit.backends.torch import materialize, random_weights
 from puzzlekit.errors import CheckpointError, PuzzlekitError
+from puzzlekit.outputs import OutputError
 
 
 CONFIGS = Path("/work/shared/configs")
@@ -506,7 +507,7 @@ def test_save_refuses_a_non_empty_directory_unless_overwrite(tmp_path, small_pro
     d = tmp_path / "out"
     d.mkdir()
     (d / "notes.txt").write_text("keep me")
-    with pytest.raises(CheckpointError, match="overwrite=True"):
+    with pytest.raises(OutputError, match="overwrite=True"):
         ir.save(small_program, d)
     assert dir_bytes(d) == {"notes.txt": b"keep me"}
     ir.save(small_program, d, overwrite=True)
@@ -523,11 +524,11 @@ def test_save_into_an_existing_empty_directory(tmp_path, small_program):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
-def test_save_onto_an_existing_file_is_a_checkpoint_error(tmp_path, small_program):
+def test_save_onto_an_existing_file_is_an_output_error(tmp_path, small_program):
     f = tmp_path / "out"
     f.write_text("a file, not a directory")
     for overwrite in (False, True):
-        with pytest.raises(CheckpointError):
+        with pytest.raises(OutputError, match="is a file"):
             ir.save(small_program, f, overwrite=overwrite)
         assert f.read_text() == "a file, not a directory"
 
@@ -539,14 +540,14 @@ def test_save_refuses_its_own_input(tmp_path, small_program, shard):
     before = dir_bytes(src)
     loaded = ir.load(src)
     for target in (src, tmp_path, tmp_path / "src" / ".." / "src"):
-        with pytest.raises(CheckpointError, match="own input"):
+        with pytest.raises(OutputError, match="would replace the input"):
             ir.save(loaded, target, overwrite=True, **kw)
         assert dir_bytes(src) == before
     # also when only some of its tensors still come from there
     partly = loaded.copy()
     name = "backbone.layers.4.mixer.up_proj.weight"
     partly.weights.set(name, partly.weights.get(name).clone())
-    with pytest.raises(CheckpointError, match="own input"):
+    with pytest.raises(OutputError, match="would replace the input"):
         ir.save(partly, src, overwrite=True, **kw)
     assert dir_bytes(src) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -60,7 +60,7 @@ def test_output_rules(tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert (out / "model.safetensors").read_bytes() == before
     assert main(["run", str(out), "-p", "verify", "-o", str(out), "--overwrite"]) == 2
-    assert "overwrite or sit inside the input" in capsys.readouterr().err
+    assert "would replace the input" in capsys.readouterr().err
     assert main(["run", "-p", "set-topk{k=1}", "-o", str(out), "--overwrite"]) == 0
     assert ir.load(out).blocks("moe")[0].op.top_k == 1
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import NemotronHConfig, NemotronHForCausalLM  # noqa: E402
 from transformers.models.nemotron_h import modeling_nemotron_h as hfm  # noqa: E402
 
+import puzzlekit  # noqa: E402
 from puzzlekit import ir  # noqa: E402
 from puzzlekit.backends.torch import materialize  # noqa: E402
 from puzzlekit.ir.ops import MTP, Attention, MoE  # noqa: E402
@@ -21,7 +22,12 @@ from puzzlekit.ir.ops import MTP, Attention, MoE  # noqa: E402
 VOCAB, H = 64, 32
 PATTERN = "ME*-ME"
 LETTER = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
-TOL = 1e-5
+TOL = 1e-5  # relative to the magnitudes compared (see _rel)
+
+
+def _rel(got, want) -> float:
+    """Largest difference relative to the magnitude of `want` (at least 1): fp32 results differ between CPUs."""
+    return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
 VARIANTS = {"plain": None, "latent": 16}
 
 
@@ -100,7 +106,7 @@ def test_loaded_checkpoint_matches_transformers(ckpt, b, t):
     want = _hf_logits(model, ids)
     assert ours.shape == want.shape == (b, t, VOCAB)
     assert want.abs().max() > 0.1
-    assert (ours - want).abs().max().item() < TOL
+    assert _rel(ours, want) < TOL
 
 
 def test_loaded_weights_are_transformers_weights(ckpt):
@@ -251,10 +257,10 @@ def test_mtp_logits_match_transformers_oracle(mtp_ckpt):
     with torch.no_grad():
         logits, mtp_logits = m(ids)
     trunk, want = _mtp_oracle(model, VARIANTS[variant], mw, ids)
-    assert (logits - trunk).abs().max().item() < TOL
+    assert _rel(logits, trunk) < TOL
     assert want.abs().max() > 0.1
     assert (mtp_logits - logits).abs().max().item() > 0.1  # not the trunk's logits by accident
-    assert (mtp_logits - want).abs().max().item() < TOL
+    assert _rel(mtp_logits, want) < TOL
 
 
 def test_mtp_oracle_attention_is_causal(mtp_ckpt):
@@ -265,7 +271,7 @@ def test_mtp_oracle_attention_is_causal(mtp_ckpt):
     ids2[0, -1] = (ids[0, -1] + 1) % VOCAB
     _, a = _mtp_oracle(model, VARIANTS[variant], mw, ids)
     _, b = _mtp_oracle(model, VARIANTS[variant], mw, ids2)
-    assert (a[:, :-1] - b[:, :-1]).abs().max().item() < 1e-6
+    assert _rel(a[:, :-1], b[:, :-1]) < TOL
     assert (a[:, -1] - b[:, -1]).abs().max().item() > 1e-3
 
 
@@ -274,7 +280,7 @@ def test_mtp_oracle_attention_is_causal(mtp_ckpt):
 def traced(ckpt):
     _, d, model = ckpt
     ids = _ids(2, 11, seed=6)
-    return ir.trace(model, (ids,), kwargs={"use_cache": False})
+    return puzzlekit.trace(model, (ids,), kwargs={"use_cache": False})
 
 
 def test_trace_prints_like_the_loaded_checkpoint(ckpt, traced):
@@ -302,4 +308,4 @@ def test_traced_program_has_dynamic_shapes(ckpt, traced, b, t):
     want = _hf_logits(model, ids)
     assert ours.shape == want.shape == (b, t, VOCAB)
     assert want.abs().max() > 0.1
-    assert (ours - want).abs().max().item() < TOL
+    assert _rel(ours, want) < TOL

@@ -194,7 +194,7 @@ def test_cli_export_and_generate(tmp_path, capsys):
     assert main(["export-onnx", "-o", str(tmp_path / "o"), "--target", "h100", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert PREFILL in rep["files"] and not [f for f in rep["findings"] if f["severity"] == "error"]
-    assert main(["export-onnx", "-o", str(tmp_path / "o")]) == 1  # exists, no --overwrite
+    assert main(["export-onnx", "-o", str(tmp_path / "o")]) == 2  # exists, no --overwrite
     assert "overwrite" in capsys.readouterr().err
     outs = {}
     for backend in ("torch", "onnx"):

@@ -108,7 +108,7 @@ def test_failures_name_the_pass_and_what_ran_before(prog):
     with pytest.raises(PassError) as e:
         PassManager("verify,set-topk{k=1},test-boom").run(prog)
     msg = str(e.value)
-    assert "pass test-boom failed with RuntimeError: kaboom" in msg
+    assert "pass test-boom failed: RuntimeError: kaboom" in msg
     assert "passes run before it: verify, set-topk{k=1}" in msg
     with pytest.raises(PassError, match=r"set-topk\{k=9\} failed: set-topk: k=9 must be in 1..8"):
         PassManager("set-topk{k=9}").run(prog)

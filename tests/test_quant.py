@@ -15,7 +15,7 @@ from puzzlekit.backends.torch import materialize, random_weights
 from puzzlekit.passes import PassError, PassManager
 from puzzlekit.passes.quant import (QuantError, get_recipe, quantize_checkpoint, quantize_fp8, quantize_nvfp4,
                                     quantize_weight)
-from puzzlekit.passes.quant.formats import E2M1_VALUES, e2m1_codes, pack_fp4, unpack_fp4
+from puzzlekit.ir.quant.formats import E2M1_VALUES, e2m1_codes, pack_fp4, unpack_fp4
 from puzzlekit.tools.default_model import DEFAULT_MODEL, default_architecture
 
 modelopt = pytest.importorskip("modelopt.torch.quantization.qtensor")

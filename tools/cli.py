@@ -5,15 +5,50 @@ import argparse
 import hashlib
 import importlib
 import json
+import math
+import os
 import platform
 import sys
 from pathlib import Path
 
 from ..errors import PuzzlekitError
+from ..outputs import OutputError, check_output
+from .puzzle import add_parser as add_library_parser
+from .puzzle import add_plan_parser
 
 
 class UsageError(PuzzlekitError):
     """The command line itself is wrong (exit code 2)."""
+
+
+#: generation lengths (tokens per prompt, draft tokens) above this are refused: decoding a million tokens one
+#: at a time takes hours, and a bigger number is a typo rather than a plan
+MAX_TOKENS = 1_000_000
+#: ONNX opsets export-onnx writes: torch's exporter emits opset 18 and converts upwards; TensorRT reads up to 24
+OPSETS = (18, 24)
+
+
+def _number(cast, lo, hi=None, above: bool = False):
+    """An argparse type: a finite number >= lo (> lo with `above`) and <= hi. argparse reports a bad value
+    with the option's name and exit code 2, rather than it being clamped or failing deep inside a command."""
+    what = "an integer" if cast is int else "a finite number"
+
+    def parse(s: str):
+        try:
+            v = cast(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not {what}") from None
+        if (cast is float and not math.isfinite(v)) or v < lo or (above and v == lo) or (hi is not None and v > hi):
+            bound = f"{'>' if above else '>='} {lo:g}" + (f" and <= {hi:,}" if hi is not None else "")
+            raise argparse.ArgumentTypeError(f"must be {what} {bound}, got {s}")
+        return v
+
+    return parse
+
+
+positive_int = _number(int, 1)
+positive_float, nonneg_float = _number(float, 0, above=True), _number(float, 0)
+token_count = _number(int, 1, MAX_TOKENS)
 
 
 def _emit(args, data: dict, text: str) -> None:
@@ -21,13 +56,23 @@ def _emit(args, data: dict, text: str) -> None:
 
 
 def _load_plugins(modules: list[str]) -> None:
+    """Imports each --plugin module; whatever goes wrong in one is reported as that plugin's fault (exit 2)."""
     if modules and "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")  # like `python -m`: a plugin module in the current directory is found
     for m in modules or []:
         try:
             importlib.import_module(m)
-        except ImportError as e:
-            raise UsageError(f"cannot import plugin {m!r}: {e}; is it on PYTHONPATH?") from None
+        except ModuleNotFoundError as e:
+            if e.name and (m == e.name or m.startswith(e.name + ".")):
+                raise UsageError(f"cannot import plugin {m!r}: {e}; is it on PYTHONPATH?") from None
+            raise UsageError(f"cannot import plugin {m!r}: it imports a missing module: {e}") from e
+        except SyntaxError as e:
+            raise UsageError(f"cannot import plugin {m!r}: syntax error in {e.filename}, line {e.lineno}: "
+                             f"{e.msg}") from e
+        except SystemExit as e:
+            raise UsageError(f"cannot import plugin {m!r}: it called sys.exit({e.code!r}) while being imported") from e
+        except Exception as e:
+            raise UsageError(f"cannot import plugin {m!r}: importing it raised {type(e).__name__}: {e}") from e
 
 
 def _model(args):
@@ -101,13 +146,9 @@ def _run(args) -> int:
         passes = parse_pipeline(resolve_pipeline(args.pipeline))
     except PipelineSyntaxError as e:
         raise UsageError(str(e)) from None
-    src, out = model_path(args.model).resolve(), Path(args.output).resolve()
-    if out == src or src.is_relative_to(out) or (src.is_dir() and out.is_relative_to(src)):
-        raise UsageError(f"output {out} would overwrite or sit inside the input {src}; choose another -o")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"output {out} is a file; -o needs a directory")
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise UsageError(f"output {out} exists; pass --overwrite to replace it")
+    src = model_path(args.model).resolve()
+    need = sum(f.stat().st_size for f in src.glob("*.safetensors")) if src.is_dir() else 0  # about the output's
+    out = check_output(args.output, [src], args.overwrite, need)  # checked before the work, not after
     prog = _model(args)
     ins = Instrumentation(verify_each=args.verify_each, print_ir_after=args.print_ir_after,
                           progress=not args.json and sys.stderr.isatty())
@@ -118,6 +159,7 @@ def _run(args) -> int:
         "pipeline": print_pipeline(passes), "versions": _versions(),
         "input": {"path": str(src), "sha256": _file_hashes(src)},
         "input_provenance": prog.meta.get("config", {}).get("provenance"),
+        **({"plan": prog.meta["plan"]} if prog.meta.get("plan") else {}),
     }
     ir.save(prog, out, overwrite=args.overwrite)
     after = prog.param_counts()
@@ -134,6 +176,10 @@ def _run(args) -> int:
 def _train(args) -> int:
     from .train import TrainConfig, train
 
+    out = check_output(args.output, args.data or [], overwrite=True)
+    if out.is_dir() and any(out.iterdir()) and not (out / "train_state.pt").exists():
+        raise UsageError(f"{out} is not empty and holds no training run; choose a new -o "
+                         "(the same -o again resumes a run)")
     cfg = TrainConfig(steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
                       checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes)
     m = train(Path(args.output), cfg, args.data, progress=not args.json)
@@ -151,8 +197,13 @@ def _eval(args) -> int:
     from ..data import load_corpus, sequential_windows
     from .default_model import model_path
 
+    if args.k > args.new_tokens:
+        raise UsageError(f"--k {args.k} drafts more tokens per step than --new-tokens {args.new_tokens} generates")
     corpus = load_corpus(args.data)
     windows = sequential_windows(corpus.valid, args.seq + 1, limit=args.windows)
+    if len(windows) < args.prompts:
+        raise UsageError(f"--prompts {args.prompts} needs as many held-out windows; there are {len(windows)} "
+                         f"(--windows {args.windows}, {len(corpus.valid):,} held-out bytes)")
     model = materialize(ir.verify(_model(args)))
     res = {"model": str(model_path(args.model)), "valid_bytes": int(windows[:, 1:].numel()),
            "bits_per_byte": evaluate.bits_per_byte(model, windows),
@@ -203,8 +254,7 @@ def _export_onnx(args) -> int:
     from .default_model import model_path
 
     src = model_path(args.model).resolve()
-    if Path(args.output).resolve() == src:
-        raise UsageError("the output directory is the input checkpoint; choose another -o")
+    check_output(args.output, [src], args.overwrite)
     prog = ir.verify(_model(args))
     rep = export_onnx(prog, args.output, target=args.target, opset=args.opset, overwrite=args.overwrite,
                       provenance={"input": str(src), "versions": _versions()})
@@ -214,6 +264,24 @@ def _export_onnx(args) -> int:
     lines += [f"  {f}" for f in rep.findings if f.severity == "error" or args.verbose]
     _emit(args, rep.to_json(), "\n".join(lines) + "\n")
     return 0
+
+
+def _greedy(prefill, decode, n: int, logits_of, model=None):
+    """`n` greedy tokens [batch, n] from `prefill()` and `decode(tokens, state)`, which return (outputs, state).
+    Non-finite logits stop it naming the likely cause, rather than decoding NaN as byte 0."""
+    import numpy as np
+
+    from ..evaluate import check_finite
+
+    outs, state = prefill()
+    new = []
+    for i in range(n):
+        where = "prefill" if i == 0 else f"decode step {i}"
+        logits = check_finite(np.asarray(logits_of(outs))[:, -1], f"logits at {where}", model)
+        new.append(logits.argmax(-1))
+        if i + 1 < n:
+            outs, state = decode(new[-1], state)
+    return np.stack(new, axis=1)
 
 
 def _generate(args) -> int:
@@ -237,18 +305,16 @@ def _generate(args) -> int:
 
         with tempfile.TemporaryDirectory() as d:
             export_onnx(prog, Path(d) / "onnx")
-            tokens = OnnxModel(Path(d) / "onnx").generate(prompt, args.max_new_tokens)
+            om = OnnxModel(Path(d) / "onnx")
+            new = _greedy(lambda: om.prefill(prompt), om.decode, args.max_new_tokens, lambda outs: outs["logits"])
     else:
         m = materialize(prog)
-        seq = torch.from_numpy(prompt)
         with torch.no_grad():
-            (logits, *_), state = m.prefill(seq)
-            for _ in range(args.max_new_tokens):
-                nxt = logits[:, -1].argmax(-1)
-                seq = torch.cat([seq, nxt[:, None]], dim=1)
-                (logits, *_), state = m.decode(nxt, state)
-        tokens = seq.numpy()
-    text = bytes(tokens[0, prompt.shape[1]:].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+            new = _greedy(lambda: m.prefill(torch.from_numpy(prompt)),
+                          lambda tok, state: m.decode(torch.from_numpy(tok), state), args.max_new_tokens,
+                          lambda outs: outs[0].float().numpy(), m)
+    tokens = np.concatenate([prompt, new], axis=1)
+    text = bytes(new[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
     _emit(args, {"prompt": args.prompt, "completion": text, "tokens": tokens[0].tolist(), "backend": args.backend},
           args.prompt + text + "\n")
     return 0
@@ -280,24 +346,25 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the default hybrid architecture on byte-level text (resumable)")
     t.add_argument("--output", "-o", required=True, help="run directory (re-run the same command to resume)")
     t.add_argument("--data", nargs="*", help="text files, directories or .jsonl (default: the Python stdlib)")
-    t.add_argument("--steps", type=int, default=1200)
-    t.add_argument("--batch", type=int, default=16)
-    t.add_argument("--seq", type=int, default=256)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--checkpoint-every", type=int, default=50)
-    t.add_argument("--max-minutes", type=float, default=0.0, help="stop and save after this long (0: no limit)")
+    t.add_argument("--steps", type=positive_int, default=1200)
+    t.add_argument("--batch", type=positive_int, default=16)
+    t.add_argument("--seq", type=_number(int, 2), default=256, help="window length (>= 2: the MTP head needs two)")
+    t.add_argument("--lr", type=positive_float, default=3e-3)
+    t.add_argument("--seed", type=_number(int, 0, 2**63 - 1), default=0)
+    t.add_argument("--checkpoint-every", type=positive_int, default=50)
+    t.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="stop and save after this long (0: no limit)")
     t.set_defaults(run=_train)
 
     e = sub.add_parser("eval", help="bits per byte, MTP accuracy, speculative acceptance, teacher agreement")
     e.add_argument("model", nargs="?", help=model_help)
     e.add_argument("--teacher", help="a second model: report KL(teacher || model) and top-1 agreement")
     e.add_argument("--data", nargs="*", help="text files, directories or .jsonl (default: the Python stdlib)")
-    e.add_argument("--windows", type=int, default=64, help="held-out windows to score")
-    e.add_argument("--seq", type=int, default=256, help="window length")
-    e.add_argument("--k", type=int, default=3, help="tokens drafted per step by the MTP head")
-    e.add_argument("--prompts", type=int, default=4, help="prompts for the speculative-decoding measurement")
-    e.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
+    e.add_argument("--windows", type=positive_int, default=64, help="held-out windows to score (at most)")
+    e.add_argument("--seq", type=_number(int, 2), default=256, help="window length (>= 2)")
+    e.add_argument("--k", type=token_count, default=3, help="tokens drafted per step by the MTP head")
+    e.add_argument("--prompts", type=positive_int, default=4, help="prompts for the speculative-decoding measurement")
+    e.add_argument("--new-tokens", type=token_count, default=32,
+                   help=f"tokens generated per prompt (at most {MAX_TOKENS:,})")
     e.set_defaults(run=_eval)
 
     c = sub.add_parser("cost", help="price a model on a GPU target and deployment scenario")
@@ -305,15 +372,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--target", default="h100", help="h100, h200, b200, 8xh100, ..., cpu, or a .toml/.json file")
     c.add_argument("--scenario", default="decode-heavy", help="long-1m, decode-heavy, prefill-heavy, chat")
     c.add_argument("--recipe", help="weight precisions: bf16, fp8, nvfp4, nvfp4-hybrid")
-    c.add_argument("--gpus", type=int, help="devices to use (tensor parallel; default: all of the target)")
-    c.add_argument("--concurrency", type=int, help="requests served at once (default: as many as fit)")
+    c.add_argument("--gpus", type=positive_int, help="devices to use (tensor parallel; default: all of the target)")
+    c.add_argument("--concurrency", type=positive_int, help="requests served at once (default: as many as fit)")
     c.set_defaults(run=_cost)
 
     x = sub.add_parser("export-onnx", help="lower a model to prefill/decode ONNX graphs, linted for TensorRT")
     x.add_argument("model", nargs="?", help=model_help)
     x.add_argument("--output", "-o", required=True, help="output directory")
     x.add_argument("--target", default="cpu", help="b200, h100, ... (TensorRT lint; errors fail) or cpu")
-    x.add_argument("--opset", type=int, default=23)
+    x.add_argument("--opset", type=_number(int, *OPSETS), default=23, help=f"ONNX opset ({OPSETS[0]}-{OPSETS[1]})")
     x.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     x.add_argument("--verbose", action="store_true", help="list every lint note, not just errors")
     x.set_defaults(run=_export_onnx)
@@ -321,28 +388,38 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="greedy generation from a text prompt (byte-level models)")
     g.add_argument("model", nargs="?", help=model_help)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=token_count, default=64, help=f"at most {MAX_TOKENS:,}")
     g.add_argument("--backend", choices=["torch", "onnx"], default="torch")
     g.set_defaults(run=_generate)
+
+    lb = add_library_parser(sub, model_help, positive_int, positive_float)
+    pl = add_plan_parser(sub, positive_int, positive_float)
 
     for cmd in (s, r):
         cmd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                          help="import MODULE first (it may register passes); repeatable")
-    for cmd in (i, s, r, t, e, c, x, g):
+    for cmd in (i, s, r, t, e, c, x, g, lb, pl):
         cmd.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command: errors are one message on stderr, never a traceback (PUZZLEKIT_DEBUG=1 re-raises)."""
     args = parser().parse_args(argv)  # argparse exits with 2 on usage errors
     try:
         return args.run(args)
-    except UsageError as e:
-        print(f"puzzlekit {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except PuzzlekitError as e:
-        print(f"puzzlekit {args.command}: error: {e}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt:
+        print(f"puzzlekit {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug in a pass or plugin still gets one clear line
+        if os.environ.get("PUZZLEKIT_DEBUG", "") not in ("", "0"):
+            raise
+        ours = isinstance(e, PuzzlekitError)
+        msg = str(e) if ours else f"unexpected {type(e).__name__}: {e}"
+        if not ours or (e.__cause__ is not None and not isinstance(e.__cause__, PuzzlekitError)):
+            msg += " (PUZZLEKIT_DEBUG=1 shows the traceback)"
+        print(f"puzzlekit {args.command}: error: {msg}", file=sys.stderr)
+        return 2 if isinstance(e, (UsageError, OutputError)) else 1
 
 
 if __name__ == "__main__":

@@ -39,6 +39,19 @@ class TrainConfig:
     eval_windows: int = 128
     max_minutes: float = 0.0  # stop early (and save) after this long; 0 = no limit
 
+    def __post_init__(self):
+        """Refuses settings that cannot train, for the Python API too (the CLI's flags are checked by argparse)."""
+        least = {"steps": 1, "batch": 1, "seq": 2, "warmup": 0, "checkpoint_every": 1, "eval_windows": 1}
+        bad = [f"{k}={getattr(self, k)} (needs an integer >= {lo})" for k, lo in least.items()
+               if not isinstance(getattr(self, k), int) or getattr(self, k) < lo]
+        bad += [f"{k}={getattr(self, k)} (needs a finite number >= 0)" for k in
+                ("lr", "min_lr_ratio", "weight_decay", "mtp_weight", "max_minutes")
+                if not math.isfinite(getattr(self, k)) or getattr(self, k) < 0]
+        if self.lr == 0:
+            bad.append("lr=0 (needs a number > 0)")
+        if bad:
+            raise PuzzlekitError(f"bad training settings: {', '.join(bad)}")
+
     def identity(self) -> dict:
         """The settings a resumed run must share (evaluation size and time limit may change)."""
         return {k: v for k, v in asdict(self).items() if k not in ("eval_windows", "max_minutes")}
@@ -72,6 +85,12 @@ def _save_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
+def _diverged(step: int, what: str, cfg: TrainConfig) -> PuzzlekitError:
+    """Training stops at the first non-finite loss or weight, so nothing NaN is saved."""
+    return PuzzlekitError(f"training diverged at step {step}: {what} at learning rate {cfg.lr_at(step - 1):.3g} "
+                          f"(--lr {cfg.lr:g}); lower --lr and start again in a new output directory")
+
+
 def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: bool = True) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,6 +119,8 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
         for g in opt.param_groups:
             g["lr"] = cfg.lr_at(step)
         loss, parts = loss_fn(model, random_windows(corpus.train, cfg.batch, cfg.seq + 1, gen), cfg.mtp_weight)
+        if not all(math.isfinite(v) for v in parts.values()):
+            raise _diverged(step + 1, f"the loss is {parts['loss']} (MTP {parts['mtp_loss']})", cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -110,6 +131,8 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
         log.append({"step": step, **parts})
         timed_out = cfg.max_minutes and time.monotonic() - start > cfg.max_minutes * 60
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or timed_out:
+            if bad := [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]:
+                raise _diverged(step, f"weights became NaN/inf ({', '.join(bad[:3])})", cfg)
             _save_state(state_file, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                                      "generator": gen.get_state(), "config": cfg.identity(), "data": data or [],
                                      "seconds": earlier + time.monotonic() - start})

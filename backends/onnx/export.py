@@ -9,9 +9,6 @@ program text, state names and provenance are in the model metadata.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +19,7 @@ from torch import nn
 
 from ...errors import PuzzlekitError
 from ...ir import Program, print_program
+from ...outputs import check_output, staged_dir
 from ..torch import ProgramModule, materialize
 
 PREFILL, DECODE = "prefill.onnx", "decode.onnx"
@@ -128,9 +126,7 @@ def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwr
     from .lint import lint
     from .quant import activation_qdq, lower_quantized
 
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"{out} exists and is not empty; pass overwrite=True or choose another directory")
+    out = check_output(out, prog.input_paths(), overwrite)  # before the work, not after
     tgt = get_target(target)
     module = materialize(prog)
     module.contiguous_state = False
@@ -154,9 +150,7 @@ def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwr
     _name_dims(graphs[DECODE], {("input_ids", 0): "batch", **{(f"past.{s}", 0): "batch" for s in states},
                                 **{(f"past.{s}", 2): "past_sequence" for s in states if _is_kv(s)}})
     findings = []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # same filesystem: the rename is atomic
-    try:
+    with staged_dir(out, overwrite, prog.input_paths()) as tmp:
         for name, model in graphs.items():
             lower_quantized(model, prog, module)
             model = graphs[name] = _optimize(model)
@@ -174,10 +168,4 @@ def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwr
         if errors and tgt.kind == "gpu":
             raise ExportError(f"the export cannot be built by TensorRT for {tgt.name}:\n  "
                               + "\n  ".join(str(f) for f in errors))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ExportReport(out, sorted(p.name for p in out.iterdir()), findings)

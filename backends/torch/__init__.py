@@ -109,7 +109,7 @@ def _dense(t):
 
 
 def _quantize_input(root: nn.Module, path: str, fmt: str, scale: torch.Tensor) -> None:
-    from ...passes.quant.formats import fake_quantize
+    from ...ir.quant.formats import fake_quantize
 
     if ".experts." in path:  # routed experts run inside their mixer: one scale per side, the largest
         mixer_path, rest = path.split(".experts.", 1)

@@ -1,6 +1,6 @@
 """The block vocabulary. Each op kind lives in one module; adding one is a new file plus a line here."""
 from .attention import Attention
-from .base import Block, OpSpec, RMSNorm
+from .base import Axis, Block, OpSpec, RMSNorm
 from .io import Embed, LMHead, Norm
 from .mamba2 import Mamba2
 from .mlp import MLP, Linear, Noop
@@ -22,6 +22,7 @@ __all__ = [
     "MTP",
     "OPS",
     "Attention",
+    "Axis",
     "Block",
     "Embed",
     "LMHead",

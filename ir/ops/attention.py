@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Block, OpSpec, RMSNorm, Work, dense_weights, positive
+from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, positive
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,38 @@ class Attention(OpSpec):
 
     def build(self):
         return Block(self, RMSNorm(self.hidden, self.eps), AttentionMixer(self))
+
+    def axes(self):
+        """Query heads (equal per group), KV groups (the query heads of a group follow), and merging KV
+        heads while every query head stays (Puzzle's GQA reduction: consecutive KV heads merge into their
+        mean)."""
+        return {"q_heads": Axis(self.q_heads, self.kv_heads), "kv_heads": Axis(self.kv_heads),
+                "kv_merge": Axis(self.kv_heads, ranked=False)}
+
+    def _shrink(self, axis, keep, w):
+        D, rep = self.head_dim, self.q_heads // self.kv_heads
+        if axis == "kv_merge":
+            n = len(keep)
+            if self.kv_heads % n:
+                raise ValueError(f"kv_merge: {self.kv_heads} KV heads do not merge evenly into {n}")
+            for k in ("mixer.k_proj.weight", "mixer.v_proj.weight"):
+                w[k] = w[k].reshape(n, self.kv_heads // n, D, self.hidden).mean(1).reshape(n * D, self.hidden)
+            return self.resized(axis, n), w
+        if axis == "kv_heads":
+            kv, q = keep, (keep[:, None] * rep + torch.arange(rep)).reshape(-1)
+        else:
+            kv, q = torch.arange(self.kv_heads), keep
+        rows = lambda heads: (heads[:, None] * D + torch.arange(D)).reshape(-1)
+        for k in ("mixer.k_proj.weight", "mixer.v_proj.weight"):
+            w[k] = w[k][rows(kv)]
+        w["mixer.q_proj.weight"] = w["mixer.q_proj.weight"][rows(q)]
+        w["mixer.o_proj.weight"] = w["mixer.o_proj.weight"][:, rows(q)]
+        return self.resized(axis, len(keep)), w
+
+    def resized(self, axis, n):
+        if axis == "kv_heads":
+            return self.replace(kv_heads=n, q_heads=n * (self.q_heads // self.kv_heads))
+        return self.replace(kv_heads=n) if axis == "kv_merge" else super().resized(axis, n)
 
 
 class AttentionMixer(nn.Module):

@@ -42,7 +42,10 @@ class OpSpec:
             if t == "float":
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise TypeError(f"{self.kind} attribute {f.name} must be a number, got {v!r}")
-                object.__setattr__(self, f.name, float(v))
+                try:
+                    object.__setattr__(self, f.name, float(v))
+                except OverflowError:
+                    raise TypeError(f"{self.kind} attribute {f.name} is too large for a float: {v}") from None
 
     def replace(self, **changes) -> OpSpec:
         return dataclasses.replace(self, **changes)
@@ -93,6 +96,10 @@ class OpSpec:
             v = getattr(self, f.name)
             if f.type in ("int",) and isinstance(v, int) and not isinstance(v, bool) and v < 0:
                 out.append((f.name, f"must be >= 0, got {v}"))
+            if f.type == "float" and not math.isfinite(v):
+                out.append((f.name, f"must be finite, got {v}"))
+            elif f.name == "eps" and v <= 0:
+                out.append((f.name, f"must be > 0 (an RMSNorm epsilon), got {v}"))
         return out
 
     def state_bytes(self, kv_bytes: float, ssm_bytes: float, act_bytes: float, context: int) -> float:
@@ -106,6 +113,65 @@ class OpSpec:
 
     def build(self) -> nn.Module:
         raise NotImplementedError(f"op {self.kind!r} has no reference module")
+
+    # -- structured pruning -------------------------------------------------------------------------
+    def axes(self) -> dict[str, Axis]:
+        """The axes the block can shrink along (Puzzle's block library varies them per layer)."""
+        return {}
+
+    def shrink(self, axis: str, keep, weights: dict) -> tuple[OpSpec, dict]:
+        """The spec and local weights keeping only the `keep` units of `axis`, in that order.
+
+        `keep` lists unit indices (see `Axis`); keeping every unit, in any order the axis allows,
+        reproduces the block's function. Implemented per op by `_shrink(axis, keep, weights)`."""
+        ax = self.axes().get(axis)
+        if ax is None:
+            raise ValueError(f"{self.kind} has no axis {axis!r}; its axes: {', '.join(self.axes()) or 'none'}")
+        return self._shrink(axis, ax.validate(axis, keep), dict(weights))
+
+    def resized(self, axis: str, n: int) -> OpSpec:
+        """The spec keeping `n` units of `axis` (shapes only: what `shrink` gives, without weights)."""
+        return self.replace(**{axis: n})
+
+    def _shrink(self, axis: str, keep: torch.Tensor, weights: dict) -> tuple[OpSpec, dict]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Axis:
+    """A prunable axis: `size` units, kept in equal numbers in each of `groups` consecutive groups and listed
+    group by group (Mamba heads share B/C per group; query heads belong to a KV head). `per_unit`
+    axes (an expert's d_ff) also take one row of indices per unit of `per_unit`. An unranked axis (top-k,
+    merging KV heads) depends only on how many units are kept: keep `range(n)`.
+    Axes are listed in the order a variant applies them: inner axes first, so that every keep refers to
+    the parent's unit indices."""
+
+    size: int
+    groups: int = 1
+    per_unit: str = ""
+    ranked: bool = True
+
+    def validate(self, name: str, keep) -> torch.Tensor:
+        k = torch.as_tensor(keep)
+        if k.is_floating_point() or k.dtype == torch.bool or k.dim() not in (1, 2) or k.shape[-1] == 0:
+            raise ValueError(f"{name}: keep a non-empty list of unit indices, got {keep!r}")
+        if k.dim() == 2 and not self.per_unit:
+            raise ValueError(f"{name}: one list of indices is kept for the whole block, got {tuple(k.shape)}")
+        k = k.long()
+        rows = k if k.dim() == 2 else k[None]
+        n = rows.shape[-1]
+        if int(rows.min()) < 0 or int(rows.max()) >= self.size:
+            raise ValueError(f"{name}: indices must lie in [0, {self.size}), got {rows.min()}..{rows.max()}")
+        if any(len(set(r.tolist())) != n for r in rows):
+            raise ValueError(f"{name}: indices repeat")
+        if n % self.groups:
+            raise ValueError(f"{name}: keeps {n} units, not a multiple of its {self.groups} groups")
+        if self.groups > 1:
+            per = self.size // self.groups
+            if not bool((rows // per == torch.arange(n) // (n // self.groups)).all()):
+                raise ValueError(f"{name}: keep {n // self.groups} units of each of the {self.groups} groups, "
+                                 "listed group by group")
+        return k
 
 
 def positive(spec, *names) -> list[tuple[str, str]]:

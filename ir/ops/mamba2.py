@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Block, OpSpec, RMSNorm, Work, dense_weights, positive
+from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, positive
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class Mamba2(OpSpec):
         out = super().check() + positive(self, "hidden", "heads", "head_dim", "state", "groups", "conv", "chunk")
         if self.groups > 0 and self.heads % self.groups:
             out.append(("groups", f"heads={self.heads} must be divisible by groups={self.groups}"))
+        if self.dt_min < 0:
+            out.append(("dt_min", f"must be >= 0 (the lower clamp of dt), got {self.dt_min}"))
         return out
 
     def state_bytes(self, kv_bytes: float, ssm_bytes: float, act_bytes: float, context: int) -> float:
@@ -79,6 +81,34 @@ class Mamba2(OpSpec):
 
     def build(self):
         return Block(self, RMSNorm(self.hidden, self.eps), Mamba2Mixer(self))
+
+    def axes(self):
+        """heads (equal per group), SSM state (the B and C channels of every group, equal per group), head_dim."""
+        return {"head_dim": Axis(self.head_dim), "state": Axis(self.groups * self.state, self.groups),
+                "heads": Axis(self.heads, self.groups)}
+
+    def _shrink(self, axis, keep, w):
+        P, GN = self.head_dim, self.groups * self.state
+        heads, dims, states = torch.arange(self.heads), torch.arange(P), torch.arange(GN)
+        heads, dims, states = (keep if axis == a else full for a, full in
+                               (("heads", heads), ("head_dim", dims), ("state", states)))
+        ch = (heads[:, None] * P + dims[None, :]).reshape(-1)  # kept inner channels, head by head
+        inner = self.inner
+        bc = torch.cat([inner + states, inner + GN + states])  # kept B and C channels of the conv
+        rows = torch.cat([ch, inner + ch, inner + bc, inner + self.conv_dim + heads])  # z | x B C | dt
+        conv = torch.cat([ch, bc])
+        w["mixer.in_proj.weight"] = w["mixer.in_proj.weight"][rows]
+        w["mixer.conv1d.weight"] = w["mixer.conv1d.weight"][conv]
+        if "mixer.conv1d.bias" in w:
+            w["mixer.conv1d.bias"] = w["mixer.conv1d.bias"][conv]
+        for k in ("mixer.A_log", "mixer.D", "mixer.dt_bias"):
+            w[k] = w[k][heads]
+        w["mixer.norm.weight"] = w["mixer.norm.weight"][ch]
+        w["mixer.out_proj.weight"] = w["mixer.out_proj.weight"][:, ch]
+        return self.resized(axis, len(keep)), w
+
+    def resized(self, axis, n):
+        return self.replace(state=n // self.groups) if axis == "state" else super().resized(axis, n)
 
 
 def _segsum(a):

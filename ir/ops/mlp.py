@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .base import Block, OpSpec, RMSNorm, Work, dense_weights, positive
+from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, positive
 from .moe import _MLP
 
 
@@ -34,6 +34,14 @@ class MLP(OpSpec):
 
     def build(self):
         return Block(self, RMSNorm(self.hidden, self.eps), _MLP(self.hidden, self.d_ff))
+
+    def axes(self):
+        return {"d_ff": Axis(self.d_ff)}
+
+    def _shrink(self, axis, keep, w):
+        w["mixer.up_proj.weight"] = w["mixer.up_proj.weight"][keep]
+        w["mixer.down_proj.weight"] = w["mixer.down_proj.weight"][:, keep]
+        return self.resized(axis, len(keep)), w
 
 
 @dataclass(frozen=True)

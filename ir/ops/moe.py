@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Block, OpSpec, RMSNorm, Work, dense_weights, positive, relu2
+from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, positive, relu2
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,47 @@ class MoE(OpSpec):
     def build(self):
         return Block(self, RMSNorm(self.hidden, self.eps), MoEMixer(self))
 
+    def axes(self):
+        """Routed experts (router rows and bias follow), expert d_ff (one list, or one per expert),
+        shared-expert d_ff, top-k (no weights change) and the latent width."""
+        out = {"d_ff": Axis(self.d_ff, per_unit="experts"), "top_k": Axis(self.top_k, ranked=False)}
+        if self.shared_d_ff:
+            out["shared_d_ff"] = Axis(self.shared_d_ff)
+        if self.latent:
+            out["latent"] = Axis(self.latent)
+        return out | {"experts": Axis(self.experts)}
+
+    def _shrink(self, axis, keep, w):
+        n, E = keep.shape[-1], self.experts
+        ex = lambda j, side: f"mixer.experts.{j}.{side}_proj.weight"
+        if axis == "top_k":
+            return self.resized(axis, n), w
+        if axis == "experts":
+            if self.top_k > n:
+                raise ValueError(f"experts: keeping {n} experts is below top_k={self.top_k}; lower top_k first")
+            old = {j: (w.pop(ex(j, "up")), w.pop(ex(j, "down"))) for j in range(E)}
+            for new, j in enumerate(keep.tolist()):
+                w[ex(new, "up")], w[ex(new, "down")] = old[j]
+            for k in ("mixer.gate.weight", "mixer.gate.e_score_correction_bias"):
+                w[k] = w[k][keep]
+            return self.resized(axis, n), w
+        if axis == "d_ff":
+            rows = keep if keep.dim() == 2 else keep.expand(E, n)
+            if rows.shape[0] != E:
+                raise ValueError(f"d_ff: one row of indices per expert ({E}), got {rows.shape[0]}")
+            for j in range(E):
+                w[ex(j, "up")], w[ex(j, "down")] = w[ex(j, "up")][rows[j]], w[ex(j, "down")][:, rows[j]]
+            return self.resized(axis, n), w
+        if axis == "shared_d_ff":
+            up, down = "mixer.shared_experts.up_proj.weight", "mixer.shared_experts.down_proj.weight"
+            w[up], w[down] = w[up][keep], w[down][:, keep]
+            return self.resized(axis, n), w
+        for j in range(E):  # latent: the experts' input columns and output rows
+            w[ex(j, "up")], w[ex(j, "down")] = w[ex(j, "up")][:, keep], w[ex(j, "down")][keep]
+        w["mixer.fc1_latent_proj.weight"] = w["mixer.fc1_latent_proj.weight"][keep]
+        w["mixer.fc2_latent_proj.weight"] = w["mixer.fc2_latent_proj.weight"][:, keep]
+        return self.resized(axis, n), w
+
 
 class _Router(nn.Module):
     def __init__(self, experts: int, hidden: int):
@@ -139,7 +180,7 @@ class MoEMixer(nn.Module):
         acts = self.__dict__.get("expert_act")
         if not acts or side not in acts:
             return x
-        from ...passes.quant.formats import fake_quantize
+        from ..quant.formats import fake_quantize
 
         fmt, scale = acts[side]
         return fake_quantize(x, fmt, scale)

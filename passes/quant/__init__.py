@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import sys
 from dataclasses import field
+from typing import ClassVar
 
 import torch
 
@@ -11,8 +12,8 @@ from ..core import Pass, PassError, Preserved, register
 from ..manager import progress
 from .calibrate import activation_amax, input_scale, quantize_weight
 from .export import quantize_checkpoint
-from .formats import FP8Tensor, NVFP4Tensor, QuantError, fake_quantize, quantize_fp8, quantize_nvfp4
-from .recipe import FORMATS, RECIPES, Recipe, Rule, get_recipe
+from ...ir.quant.formats import FP8Tensor, NVFP4Tensor, QuantError, fake_quantize, quantize_fp8, quantize_nvfp4
+from ...ir.quant.recipe import FORMATS, RECIPES, Recipe, Rule, get_recipe
 
 __all__ = [
     "FORMATS",
@@ -57,6 +58,7 @@ class Quantize(Pass):
     seq: int = 128  # tokens per window
     target: str = ""  # refuse a recipe this GPU cannot run (e.g. W4A4 NVFP4 on h100)
     data: list[str] = field(default_factory=list)  # calibration text (default: the Python stdlib)
+    minimum: ClassVar[dict] = {"samples": 1, "seq": 1}  # samples=0 once meant "every window": refused now
 
     def run(self, prog, am):
         from ...backends.targets import get_target

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import (
+from ...ir.quant.formats import (
     FP8_MAX,
     NVFP4_BLOCK,
     FP8Tensor,

@@ -7,8 +7,8 @@ from pathlib import Path
 from ... import ir
 from ...ir.weights import Deferred
 from .calibrate import input_scale, quantize_weight
-from .formats import QuantError
-from .recipe import FORMATS, get_recipe
+from ...ir.quant.formats import QuantError
+from ...ir.quant.recipe import FORMATS, get_recipe
 
 
 def _stored_bytes(shape, fmt: str) -> int:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from ..errors import TraceError
-from .ops import Embed, LMHead, Norm, Opaque, OpSpec
-from .ops.base import Block, RMSNorm
-from .ops.mtp import MTPHead
-from .program import Node, Program
-from .weights import WeightStore
+from ...errors import TraceError
+from ...ir.ops import Embed, LMHead, Norm, Opaque, OpSpec
+from ...ir.ops.base import Block, RMSNorm
+from ...ir.ops.mtp import MTPHead
+from ...ir.program import Node, Program
+from ...ir.weights import WeightStore
 
 
 @dataclass
@@ -162,8 +162,8 @@ def trace(module: nn.Module, example_inputs: tuple, check: bool = True, kwargs: 
 
     check: run the Program on the example inputs and require the module's outputs (atol/rtol).
     """
-    kwargs = kwargs or {}
     example_inputs = tuple(example_inputs)
+    kwargs = _without_cache(module, example_inputs, kwargs or {})
     was_training = module.training
     module.eval()
     with torch.no_grad():
@@ -187,6 +187,15 @@ def trace(module: nn.Module, example_inputs: tuple, check: bool = True, kwargs: 
     if check:
         _check(prog, module, example_inputs, expected, atol, rtol)
     return prog
+
+
+def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """Adds `use_cache=False` when forward takes it and the caller did not pass it: a returned cache object
+    (transformers' DynamicCache) is no pytree torch.export can flatten, and a Program keeps its own state."""
+    params = list(inspect.signature(module.forward).parameters)
+    if "use_cache" in params and "use_cache" not in kwargs and params.index("use_cache") >= len(args):
+        return {**kwargs, "use_cache": False}
+    return kwargs
 
 
 def _dynamic(v):
@@ -430,7 +439,7 @@ def _simplify(prog: Program) -> Program:
 
 
 def _check(prog: Program, module, example_inputs, expected, atol, rtol) -> None:
-    from ..backends.torch import materialize
+    from . import materialize
 
     with torch.no_grad():
         got = materialize(prog)(*example_inputs)

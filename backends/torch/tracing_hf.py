@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
-from ..errors import TraceError
-from .ops import MLP, Attention, Mamba2, MoE, Norm
+from ...errors import TraceError
+from ...ir.ops import MLP, Attention, Mamba2, MoE, Norm
 from .tracing import Converted, register_module
 
 

@@ -1,0 +1,178 @@
+"""Importance: which units of every block matter, from activation statistics on calibration text.
+
+Minitron-style statistics, one per prunable axis (docs/puzzle.md gives the reasoning):
+- MLP / expert / shared-expert d_ff: mean |a_i| at the down-projection input times ||W_down[:, i]||
+  (experts: over the tokens routed to each);
+- attention query heads: the mean norm of each head's contribution through o_proj, ranked within its KV
+  group; KV groups: the sum over their query heads;
+- Mamba heads: the mean norm of each head's x-part of in_proj, ranked within its group; head_dim: the
+  mean |x| per channel over heads; SSM state channels: the mean |B_n * C_n| (after the conv), the
+  same-token part of the state's contribution C_t . h_t, ranked within the group;
+- experts: the damage of removing one with re-routing (its router score set to -inf, the native top-k
+  and renormalisation choose again): the normalised squared change of the routed output; also the
+  routing frequencies; latent channels: |input| x up-weights + |output| x ||fc2 column||.
+Ranks are stored (most important first), not scores.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...ir import Program
+from ...ir.ops.base import relu2
+from ..core import AnalysisManager, analysis
+
+
+def _ranks(score: torch.Tensor, groups: int = 1) -> list:
+    """Unit indices by descending score; with groups, one list of within-group indices per group."""
+    if groups == 1:
+        return torch.argsort(score.double(), descending=True, stable=True).tolist()
+    return [torch.argsort(g.double(), descending=True, stable=True).tolist() for g in score.reshape(groups, -1)]
+
+
+class _Sums:
+    """Running sums of named statistics over calibration batches."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+
+def _mlp_stats(mixer, h, acc: _Sums, prefix: str = "") -> None:
+    a = relu2(mixer.up_proj(h)).reshape(-1, mixer.up_proj.out_features)
+    acc.add(prefix + "a", a.abs().sum(0))
+    acc.add(prefix + "n", torch.tensor(float(a.shape[0])))
+
+
+def _moe_stats(mixer, h, acc: _Sums) -> None:
+    s = mixer.spec
+    flat = h.reshape(-1, s.hidden)
+    scores = torch.sigmoid(F.linear(flat.float(), mixer.gate.weight.float()))
+    lat = mixer.fc1_latent_proj(flat) if s.latent else flat
+    up = torch.stack([e.up_proj.weight for e in mixer.experts])
+    down = torch.stack([e.down_proj.weight for e in mixer.experts])
+    a = relu2(torch.einsum("nw,efw->nef", lat, up))  # [n, E, d_ff]
+    out = torch.einsum("nef,ewf->new", a, down)  # every expert's output for every token
+
+    def routed(mask):
+        sel = scores + mixer.gate.e_score_correction_bias.float() + mask
+        chosen = torch.topk(sel, s.top_k, dim=-1).indices
+        w = scores.gather(1, chosen)
+        if s.norm_topk:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        mix = torch.zeros_like(scores).scatter(1, chosen, w * s.scaling)
+        return torch.einsum("new,ne->nw", out, mix.to(out.dtype)), mix != 0
+
+    y, chosen = routed(torch.zeros(s.experts))
+    acc.add("routing", chosen.float().sum(0))
+    acc.add("tokens", torch.tensor(float(flat.shape[0])))
+    acc.add("d_ff", (a.abs() * chosen[..., None]).sum(0))  # [E, d_ff] over routed tokens
+    acc.add("y2", y.pow(2).sum())
+    damage = []
+    for e in range(s.experts):
+        mask = torch.zeros(s.experts)
+        mask[e] = float("-inf")
+        damage.append((routed(mask)[0] - y).pow(2).sum())
+    acc.add("damage", torch.stack(damage))
+    if s.latent:
+        acc.add("lat_in", lat.abs().sum(0))
+        acc.add("lat_out", y.abs().sum(0))
+    if s.shared_d_ff:
+        _mlp_stats(mixer.shared_experts, flat, acc, "shared_")
+
+
+def _attention_stats(mixer, y_heads, acc: _Sums) -> None:
+    s = mixer.spec
+    y = y_heads.reshape(-1, s.q_heads, s.head_dim)
+    wo = mixer.o_proj.weight.reshape(s.hidden, s.q_heads, s.head_dim)
+    contrib = torch.einsum("nqd,hqd->nqh", y, wo).norm(dim=-1)  # [n, q_heads]
+    acc.add("heads", contrib.sum(0))
+    acc.add("n", torch.tensor(float(y.shape[0])))
+
+
+def _mamba_stats(mixer, proj, acc: _Sums) -> None:
+    s = mixer.spec
+    inner, gn = s.inner, s.groups * s.state
+    x = proj[..., inner:2 * inner]
+    xh = x.reshape(-1, s.heads, s.head_dim)
+    acc.add("heads", xh.norm(dim=-1).sum(0))
+    acc.add("head_dim", xh.abs().sum((0, 1)))
+    xbc = proj[..., inner:inner + s.conv_dim].transpose(1, 2)  # [b, conv_dim, t], causal conv as in the mixer
+    conv = F.silu(F.conv1d(F.pad(xbc, (s.conv - 1, 0)), mixer.conv1d.weight, mixer.conv1d.bias, groups=s.conv_dim))
+    b, c = conv[:, inner:inner + gn], conv[:, inner + gn:]
+    acc.add("state", (b * c).abs().sum((0, 2)))
+    acc.add("n", torch.tensor(float(xh.shape[0])))
+
+
+def _ranks_of(op, acc: dict[str, torch.Tensor], mixer) -> dict:
+    """Axis -> ranks (see Axis for the layout of grouped and per-unit axes)."""
+    kind = op.kind
+    if kind == "mlp":
+        return {"d_ff": _ranks(acc["a"] / acc["n"] * mixer.down_proj.weight.norm(dim=0).double())}
+    if kind == "attention":
+        heads = acc["heads"] / acc["n"]
+        return {"q_heads": _ranks(heads, op.kv_heads), "kv_heads": _ranks(heads.reshape(op.kv_heads, -1).sum(1))}
+    if kind == "mamba2":
+        return {"heads": _ranks(acc["heads"], op.groups), "head_dim": _ranks(acc["head_dim"]),
+                "state": _ranks(acc["state"], op.groups)}
+    if kind != "moe":
+        return {}
+    down_norm = torch.stack([e.down_proj.weight.norm(dim=0) for e in mixer.experts]).double()  # [E, d_ff]
+    used = acc["routing"].clamp(min=1)[:, None]
+    out = {"experts": _ranks(acc["damage"] / acc["y2"].clamp(min=1e-30)),
+           "d_ff": [_ranks(row) for row in acc["d_ff"] / used * down_norm],
+           "top_k": list(range(op.top_k))}
+    if op.shared_d_ff:
+        w = mixer.shared_experts.down_proj.weight.norm(dim=0).double()
+        out["shared_d_ff"] = _ranks(acc["shared_a"] / acc["shared_n"] * w)
+    if op.latent:
+        up_norm = torch.stack([e.up_proj.weight for e in mixer.experts]).pow(2).sum((0, 1)).sqrt().double()
+        fc2 = mixer.fc2_latent_proj.weight.norm(dim=0).double()
+        out["latent"] = _ranks((acc["lat_in"] * up_norm + acc["lat_out"] * fc2) / acc["tokens"])
+    return out
+
+
+def _hook(node, mixer, acc: _Sums):
+    """Registers the hook that feeds `acc` for this block kind; returns its handle."""
+    kind = node.op.kind
+    if kind == "mamba2":
+        return mixer.in_proj.register_forward_hook(lambda m, a, out: _mamba_stats(mixer, out, acc))
+    if kind == "attention":
+        return mixer.o_proj.register_forward_pre_hook(lambda m, a: _attention_stats(mixer, a[0], acc))
+    fn = _moe_stats if kind == "moe" else _mlp_stats
+    return mixer.register_forward_pre_hook(lambda m, a: fn(mixer, a[0], acc))
+
+
+def compute_importance(prog: Program, windows: torch.Tensor, batch: int = 4) -> dict:
+    """{"layers": {path: {axis: ranks}}, "routing": {path: per-expert frequency}, "tokens": n}."""
+    from ...backends.torch import materialize
+
+    model = materialize(prog)
+    blocks = [n for n in prog.blocks() if n.op.axes()]
+    accs = {n.path: _Sums() for n in blocks}
+    handles = [_hook(n, model.get_submodule(f"{n.path}.mixer"), accs[n.path]) for n in blocks]
+    try:
+        with torch.no_grad():
+            for ids in windows.split(batch):
+                model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    layers, routing = {}, {}
+    for n in blocks:
+        acc, mixer = accs[n.path].sums, model.get_submodule(f"{n.path}.mixer")
+        layers[n.path] = _ranks_of(n.op, acc, mixer)
+        if n.op.kind == "moe":
+            routing[n.path] = (acc["routing"] / acc["tokens"]).tolist()
+    return {"layers": layers, "routing": routing, "tokens": int(windows.numel())}
+
+
+@analysis("importance")
+def importance(prog: Program, am: AnalysisManager, samples: int = 32, seq: int = 256, data: tuple = ()) -> dict:
+    """Ranks of every prunable unit (see passes.puzzle.importance) on `samples` calibration windows."""
+    from ..quant import calibration_windows
+
+    return compute_importance(prog, calibration_windows(list(data), samples, seq, prog))

@@ -1,0 +1,170 @@
+"""The block library on disk, and the variants' starting weights.
+
+A library is a directory built once per parent model and reused for every target:
+
+    manifest.json                 parent (hash, source, program text), grid, one row per variant
+    importance.json               the ranks the variants were sliced by
+    variants/L{layer:03d}/{id}.safetensors   a variant's (BLD-trained) block weights, local names
+    variants/L{layer:03d}/{id}.json          its row: spec, sizes, init, BLD and scores (written atomically)
+
+Rows are written per variant as they finish, so a killed build resumes where it stopped; the manifest is
+assembled from them. A library belongs to one parent: opening it with another model is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ...ir import Program, print_program
+from ...ir.checkpoint import _spec_from_dict as spec_from_dict
+from ...ir.checkpoint import _spec_to_dict as spec_to_dict
+from ...ir.ops import Linear, Noop, OpSpec
+from ..core import PassError
+from .grid import Variant
+
+MANIFEST = "manifest.json"
+FORMAT = "puzzlekit-block-library/1"
+
+
+class LibraryError(PassError):
+    """A library directory is missing, incomplete, or belongs to another parent."""
+
+
+def parent_hash(prog: Program) -> str:
+    """sha256 of the program text and every tensor's dtype, shape and bytes (the text alone for meta weights)."""
+    h = hashlib.sha256(print_program(prog).encode())
+    w = prog.weights
+    for name in sorted(w.names()):
+        if w.is_meta(name):
+            continue
+        t = w.get(name)
+        t = t if isinstance(t, torch.Tensor) else t.dequantize()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def write_json(path: Path, data) -> None:
+    """Atomically (temp file + rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _keep(ax, ranks, n: int):
+    """The first `n` units by rank: per group for grouped axes, per unit (expert) for per-unit axes."""
+    if not ax.ranked:
+        return list(range(n))
+    if ax.per_unit:
+        return [r[:n] for r in ranks]
+    if ax.groups > 1:
+        per, m = ax.size // ax.groups, n // ax.groups
+        return [g * per + i for g, rk in enumerate(ranks) for i in rk[:m]]
+    return ranks[:n]
+
+
+def slice_variant(op: OpSpec, weights: dict, variant: Variant, ranks: dict) -> tuple[OpSpec, dict]:
+    """The variant's spec and weights sliced from the parent block in importance order."""
+    spec, w = op, dict(weights)
+    for axis, n in variant.steps:
+        spec, w = spec.shrink(axis, _keep(spec.axes()[axis], ranks.get(axis), n), w)
+    return spec, w
+
+
+def replacement_spec(op: OpSpec, kind: str) -> OpSpec:
+    return Noop(op.hidden) if kind == "noop" else Linear(op.hidden, eps=op.eps)
+
+
+def variant_spec(op: OpSpec, variant: Variant) -> OpSpec:
+    """The variant's spec alone (no weights): what a weightless library records."""
+    if variant.replacement:
+        return replacement_spec(op, variant.replacement)
+    for axis, n in variant.steps:
+        op = op.resized(axis, n)
+    return op
+
+
+def layer_dir(lib: Path, layer: int) -> Path:
+    return lib / "variants" / f"L{layer:03d}"
+
+
+def safe_id(vid: str) -> str:
+    return vid.replace("=", "-").replace(",", "_")
+
+
+class Library:
+    """A library directory read back: rows by layer, and each variant's weights."""
+
+    def __init__(self, path, manifest: dict):
+        self.path = Path(path)
+        self.manifest = manifest
+        self.rows = manifest["variants"]
+
+    @classmethod
+    def open(cls, path, parent: Program | None = None) -> Library:
+        """Reads LIB/manifest.json; with `parent`, refuses a library built from another model."""
+        path = Path(path)
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise LibraryError(f"{path} holds no {MANIFEST}; build one with `puzzlekit library MODEL -o {path}`") \
+                from None
+        except (OSError, ValueError) as e:
+            raise LibraryError(f"{path / MANIFEST}: cannot read it ({e})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise LibraryError(f"{path / MANIFEST} is not a {FORMAT} manifest")
+        if parent is not None and manifest["parent"]["hash"] != parent_hash(parent):
+            raise LibraryError(f"library {path} was built for another parent ({manifest['parent']['source']}, "
+                               f"hash {manifest['parent']['hash'][:12]}), not this model (hash "
+                               f"{parent_hash(parent)[:12]}); build a library for it with `puzzlekit library`")
+        return cls(path, manifest)
+
+    @property
+    def weightless(self) -> bool:
+        return self.manifest["weightless"]
+
+    def layers(self) -> dict[int, list[dict]]:
+        out: dict[int, list[dict]] = {}
+        for r in self.rows:
+            out.setdefault(r["layer"], []).append(r)
+        return out
+
+    def spec(self, row: dict) -> OpSpec:
+        return spec_from_dict(row["spec"], f"{self.path}: variant {row['layer']}/{row['id']}")
+
+    def weights(self, row: dict) -> dict[str, torch.Tensor]:
+        if self.weightless:
+            raise LibraryError(f"library {self.path} is weightless (built from a config); it has no variant weights")
+        f = layer_dir(self.path, row["layer"]) / f"{safe_id(row['id'])}.safetensors"
+        if not f.exists():
+            raise LibraryError(f"library {self.path} lacks the weights of variant {row['layer']}/{row['id']} ({f})")
+        return load_file(str(f))
+
+
+def save_variant(lib: Path, layer: int, vid: str, weights: dict, row: dict) -> None:
+    """The variant's weights, then its row (the row marks it done)."""
+    d = layer_dir(lib, layer)
+    d.mkdir(parents=True, exist_ok=True)
+    if weights:
+        f = d / f"{safe_id(vid)}.safetensors"
+        tmp = d / f".{f.name}.tmp"
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
+        os.replace(tmp, f)
+    write_json(d / f"{safe_id(vid)}.json", row)
+
+
+def load_row(lib: Path, layer: int, vid: str) -> dict | None:
+    f = layer_dir(lib, layer) / f"{safe_id(vid)}.json"
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def row_of(layer: int, path: str, variant: Variant, spec: OpSpec) -> dict:
+    params = sum(torch.Size(s).numel() for s in spec.params().values())
+    return {"layer": layer, "path": path, "id": variant.id, "kind": spec.kind, "spec": spec_to_dict(spec),
+            "steps": [list(s) for s in variant.steps], "replacement": variant.replacement,
+            "params": params, "active_params": spec.active_params()}

@@ -1,0 +1,225 @@
+"""The block library on the built-in model: importance-ordered slicing, BLD, scoring, the directory format,
+resuming after a kill, and the grid's errors. One small library (a reduced grid, small budgets) is built once
+per session; the default grid's full build is timed by benchmarks/library.py."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from puzzlekit import ir
+from puzzlekit.backends.torch import materialize
+from puzzlekit.data import load_corpus, sequential_windows
+from puzzlekit.passes.puzzle import GridError, Library, LibraryError, LibrarySettings, build_library, load_grid
+from puzzlekit.passes.puzzle.bld import block_activations, block_module, linear_fit, nmse
+from puzzlekit.passes.puzzle.grid import Variant, variants
+from puzzlekit.passes.puzzle.importance import compute_importance
+from puzzlekit.passes.puzzle.library import slice_variant
+from puzzlekit.passes.puzzle.score import Scorer
+from puzzlekit.tools.cli import main
+from puzzlekit.tools.default_model import model_path
+
+SMALL_GRID = """
+[mamba2]
+heads = [0.5]
+[moe]
+experts = [0.5]
+top_k = [0.5]
+[attention]
+q_heads = [0.5]
+[mlp]
+d_ff = [0.5]
+[replacements]
+kinds = ["noop", "linear"]
+"""
+SETTINGS = dict(calib_windows=16, score_windows=4, seq=128, bld_tokens=4096)
+CLI_SETTINGS = ["--calib-windows", "16", "--score-windows", "4", "--seq", "128", "--bld-tokens", "4096"]
+SUPER = Path(__file__).resolve().parents[2] / "shared" / "configs" / "nemotron-3-super-120b-a12b.config.json"
+
+
+@pytest.fixture(scope="module")
+def parent():
+    return ir.load(model_path(None))
+
+
+@pytest.fixture(scope="module")
+def grid_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("grid") / "small.toml"
+    f.write_text(SMALL_GRID)
+    return f
+
+
+@pytest.fixture(scope="module")
+def lib(parent, grid_file, tmp_path_factory):
+    return build_library(parent, tmp_path_factory.mktemp("lib") / "lib", grid_file, LibrarySettings(**SETTINGS))
+
+
+def test_every_layer_has_its_variants(lib, parent):
+    layers = lib.layers()
+    assert sorted(layers) == list(range(len(parent.blocks())))
+    want = {"mamba2": {"parent", "heads=4", "noop", "linear"},
+            "moe": {"parent", "top_k=1", "experts=4", "top_k=1,experts=4", "noop", "linear"},
+            "attention": {"parent", "q_heads=2", "noop", "linear"}, "mlp": {"parent", "d_ff=128", "noop", "linear"}}
+    for i, n in enumerate(parent.blocks()):
+        assert {r["id"] for r in layers[i]} == want[n.op.kind]
+        for r in layers[i]:
+            spec = lib.spec(r)
+            assert r["params"] == sum(torch.Size(s).numel() for s in spec.params().values())
+            assert {k: tuple(v.shape) for k, v in lib.weights(r).items()} == spec.params()
+
+
+def test_identity_scores_zero_and_noop_scores_above_zero(lib):
+    for layer, vs in lib.layers().items():
+        by = {r["id"]: r for r in vs}
+        assert by["parent"]["scores"]["kl"] == pytest.approx(0.0, abs=1e-7)
+        assert by["parent"]["scores"]["top1"] == 1.0
+        assert by["noop"]["scores"]["kl"] > 1e-4, f"layer {layer}"
+        assert by["noop"]["scores"]["top1"] < 1.0
+
+
+def test_bld_lowers_every_trained_variants_loss(lib):
+    trained = [r for r in lib.rows if r["bld"]["trained"]]
+    assert len(trained) >= 8
+    for r in trained:
+        assert r["bld"]["final_nmse"] < r["bld"]["initial_nmse"], (r["layer"], r["id"], r["bld"])
+    # what was cut deeply had something to learn, and learnt it
+    deep = [r for r in lib.rows if r["bld"]["initial_nmse"] > 0.05 and r["steps"]]
+    assert deep and all(r["bld"]["trained"] for r in deep)
+
+
+def test_the_library_reloads_identically_and_a_rerun_changes_nothing(lib, parent, grid_file):
+    again = Library.open(lib.path, parent)
+    assert again.manifest == lib.manifest
+    before = {p: p.read_bytes() for p in sorted(lib.path.rglob("*")) if p.is_file()}
+    rebuilt = build_library(parent, lib.path, grid_file, LibrarySettings(**SETTINGS))
+    assert rebuilt.manifest == lib.manifest
+    assert {p: p.read_bytes() for p in sorted(lib.path.rglob("*")) if p.is_file()} == before
+    r = next(r for r in lib.rows if r["id"] == "heads=4")
+    w = again.weights(r)
+    p = parent.copy()
+    p.rewrite(p.node(r["path"]), op=again.spec(r), weights=w)
+    ir.verify(p)
+
+
+def test_a_library_of_another_parent_is_refused(lib, parent, grid_file):
+    other = parent.copy()
+    name = "backbone.layers.6.mixer.up_proj.weight"
+    other.weights.set(name, other.weights.get(name) * 1.01)
+    with pytest.raises(LibraryError, match="another parent"):
+        Library.open(lib.path, other)
+    with pytest.raises(LibraryError, match="another parent"):
+        build_library(other, lib.path, grid_file, LibrarySettings(**SETTINGS))
+
+
+def test_resuming_with_other_settings_is_refused(lib, parent, grid_file):
+    with pytest.raises(LibraryError, match="other settings"):
+        build_library(parent, lib.path, grid_file, LibrarySettings(**{**SETTINGS, "bld_tokens": 8192}))
+
+
+def test_a_killed_library_command_resumes_to_the_same_manifest(lib, grid_file, tmp_path):
+    out = tmp_path / "lib"
+    cmd = [sys.executable, "-m", "puzzlekit.tools", "library", "-o", str(out), "--grid", str(grid_file), *CLI_SETTINGS]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while p.poll() is None and len(list(out.glob("variants/*/*.json"))) < 6:
+            time.sleep(0.05)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    done = len(list(out.glob("variants/*/*.json")))
+    assert 0 < done < len(lib.rows) and not (out / "manifest.json").exists()
+    p = subprocess.run(cmd + ["--json"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((out / "manifest.json").read_text()) == lib.manifest
+
+
+def test_importance_order_beats_random_order(parent):
+    """At equal size, slicing by importance loses less (KL to the parent, no BLD) than random slicing."""
+    corpus = load_corpus(None)
+    calib = sequential_windows(corpus.train, 128, limit=16)
+    held = sequential_windows(corpus.valid, 129, limit=4)
+    ranks = compute_importance(parent, calib)["layers"]
+    model = materialize(parent)
+    scorer = Scorer(model, held, block_activations(model, held[:, :-1]).inputs)
+    g = torch.Generator().manual_seed(0)
+    cases = [(0, "heads", 4), (1, "d_ff", 64), (3, "q_heads", 2), (6, "d_ff", 128), (9, "state", 32), (11, "experts", 4)]
+    for layer, axis, n in cases:
+        node = parent.blocks()[layer]
+        w = {k: v for k, v in parent.node_weights(node).items()}
+        kl = lambda r: scorer.score(layer, block_module(*slice_variant(node.op, w, Variant(((axis, n),)), r)))["kl"]
+        ax = node.op.axes()[axis]
+        per = ax.size // ax.groups
+        rnd = []
+        for _ in range(3):
+            perms = [torch.randperm(per, generator=g).tolist() for _ in range(ax.groups)]
+            if ax.per_unit:
+                rnd.append(kl({axis: [torch.randperm(ax.size, generator=g).tolist() for _ in range(node.op.experts)]}))
+            else:
+                rnd.append(kl({axis: perms if ax.groups > 1 else perms[0]}))
+        assert kl(ranks[node.path]) < sum(rnd) / len(rnd), (layer, axis)
+
+
+def test_least_squares_linear_beats_the_weight_product(parent):
+    """The `linear` replacement of the MLP layer: a fit on activations against W_down @ W_up."""
+    calib = sequential_windows(load_corpus(None).train, 128, limit=16)
+    model = materialize(parent)
+    act = block_activations(model, calib)
+    node = parent.blocks()[6]
+    w = parent.node_weights(node)
+    x, d = act.inputs[6], act.deltas[6]
+    fitted = linear_fit(w["norm.weight"], node.op.eps, x, d)
+    anchor = w["mixer.down_proj.weight"] @ w["mixer.up_proj.weight"]
+    err = {name: nmse(block_module(ir.ops.Linear(128), {"norm.weight": w["norm.weight"], "mixer.linear.weight": m}), x, d)
+           for name, m in (("fit", fitted), ("anchor", anchor))}
+    assert err["fit"] < err["anchor"] and err["fit"] < 1.0
+
+
+def test_a_weightless_library_of_the_super_config(tmp_path):
+    prog = ir.load(SUPER)
+    lib = build_library(prog, tmp_path / "super")
+    assert lib.weightless and len(lib.layers()) == 88
+    for layer, vs in lib.layers().items():
+        assert len(vs) >= 8 and all("scores" not in r and "bld" not in r for r in vs)
+    moe = next(r for r in lib.rows if r["id"] == "d_ff=1344,top_k=11,experts=256")
+    assert lib.spec(moe).d_ff == 1344 and lib.spec(moe).top_k == 11 and lib.spec(moe).experts == 256
+    with pytest.raises(LibraryError, match="weightless"):
+        lib.weights(moe)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[mamba2]\nheads = [5]\n", r"backbone.layers.0 \(mamba2\): heads=5 is not a multiple of its 2 groups"),
+    ("[moe]\ntop_k = [9]\n", r"backbone.layers.1 \(moe\): top_k=9 exceeds the parent's 2"),
+    ("[moe]\nexperts = [1]\n", r"backbone.layers.1 \(moe\): experts=1 is below top_k=2"),
+    ("[moe]\nwidth = [0.5]\n", "moe has no axis 'width'"),
+    ("[moe]\nd_ff = []\n", "moe.d_ff must be a non-empty list"),
+    ("[moe]\nd_ff = [1.5]\n", "moe.d_ff value 1.5"),
+    ("", "is empty"),
+    ("[conv]\nwidth = [2]\n", r"unknown block kind \[conv\]"),
+    ("[replacements]\nkinds = [\"dense\"]\n", "replacements"),
+    ("[moe\n", "not valid TOML"),
+])
+def test_bad_grids_name_the_layer_axis_and_value(parent, tmp_path, text, match):
+    f = tmp_path / "grid.toml"
+    f.write_text(text)
+    with pytest.raises(GridError, match=match):
+        grid = load_grid(f)
+        from puzzlekit.passes.puzzle.grid import check_grid
+
+        check_grid(grid, parent)
+        for n in parent.blocks():
+            variants(n.op, grid, n.path)
+
+
+def test_the_library_command_reports_bad_grids_without_a_traceback(tmp_path, capsys):
+    f = tmp_path / "grid.toml"
+    f.write_text("[mamba2]\nheads = [5]\n")
+    assert main(["library", "-o", str(tmp_path / "lib"), "--grid", str(f)]) == 1
+    err = capsys.readouterr().err
+    assert "heads=5" in err and "Traceback" not in err
+    assert not (tmp_path / "lib").exists()

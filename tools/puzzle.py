@@ -1,0 +1,129 @@
+"""`puzzlekit library`: build a model's block library (Puzzle's expensive, target-independent half)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+#: size classes of the summary: a variant's parameters as a share of its parent block's, at most
+SIZE_CLASSES = ((0.25, "<=25%"), (0.5, "<=50%"), (0.75, "<=75%"), (0.999999, "<100%"))
+
+
+def summary_rows(lib) -> list[tuple]:
+    """Per layer: kind, variant count, and the best score (KL) in each size class."""
+    rows = [("layer", "kind", "variants", *(f"best KL {name}" for _, name in SIZE_CLASSES))]
+    for layer, vs in lib.layers().items():
+        parent = next(r for r in vs if r["id"] == "parent")
+        best = {}
+        for r in vs:
+            share = r["params"] / max(parent["params"], 1)
+            cls = next((name for hi, name in SIZE_CLASSES if share <= hi), None)
+            if cls:
+                best[cls] = min(best.get(cls, float("inf")), r["scores"]["kl"])
+        rows.append((str(layer), parent["kind"], str(len(vs)),
+                     *(f"{best[name]:.4f}" if name in best else "-" for _, name in SIZE_CLASSES)))
+    return rows
+
+
+def run_library(args) -> int:
+    from ..ir.printer import format_table
+    from ..passes.puzzle import LibrarySettings, build_library
+    from .cli import _emit, _model
+
+    prog = _model(args)
+    settings = LibrarySettings(calib_windows=args.calib_windows, score_windows=args.score_windows, seq=args.seq,
+                               bld_tokens=args.bld_tokens, bld_lr=args.bld_lr, data=list(args.data or []))
+    start = time.monotonic()
+    lib = build_library(prog, Path(args.output), args.grid, settings, progress=not args.json)
+    seconds = time.monotonic() - start
+    mode = "weightless (sizes only: no BLD, no scores)" if lib.weightless else "trained and scored"
+    text = f"{len(lib.layers())} layers, {len(lib.rows)} variants, {mode}, in {seconds:.1f} s\n"
+    if not lib.weightless:
+        text += format_table(summary_rows(lib))
+    text += f"wrote {lib.path}\n"
+    _emit(args, {"library": str(lib.path), "layers": len(lib.layers()), "variants": len(lib.rows),
+                 "weightless": lib.weightless, "seconds": seconds, "rows": lib.rows}, text)
+    return 0
+
+
+def add_parser(sub, model_help: str, positive_int, positive_float):
+    p = sub.add_parser("library", help="build a model's block library: variants per layer, BLD, scores")
+    p.add_argument("model", nargs="?", help=model_help)
+    p.add_argument("--output", "-o", required=True, help="library directory (the same command again resumes)")
+    p.add_argument("--grid", help="grid TOML file (default: passes/puzzle/default-grid.toml)")
+    p.add_argument("--bld-tokens", type=positive_int, default=65536, help="BLD training tokens per variant")
+    p.add_argument("--bld-lr", type=positive_float, default=1e-3, help="BLD peak learning rate")
+    p.add_argument("--calib-windows", type=positive_int, default=64, help="calibration windows (importance, BLD)")
+    p.add_argument("--score-windows", type=positive_int, default=16, help="held-out windows for scoring")
+    p.add_argument("--seq", type=positive_int, default=256, help="tokens per window")
+    p.add_argument("--data", nargs="*", help="text files, directories or .jsonl (default: the Python stdlib)")
+    p.set_defaults(run=run_library)
+    return p
+
+
+def run_plan(args) -> int:
+    from .. import ir
+    from ..ir.printer import format_table
+    from ..passes.puzzle import Library
+    from ..passes.puzzle.search import Constraints, Search
+    from .cli import UsageError, _emit
+
+    lib = Library.open(args.library)
+    source = args.parent or lib.manifest["parent"]["source"]
+    parent = ir.load(source)
+    lib = Library.open(args.library, parent)
+    scenarios = args.scenario or ["decode-heavy"]
+    if len(scenarios) not in (1, len(args.target)):
+        raise UsageError(f"give one --scenario for all targets or one per --target ({len(args.target)})")
+    targets = list(zip(args.target, scenarios * len(args.target) if len(scenarios) == 1 else scenarios))
+    c = Constraints(speedup=args.speedup or 0.0, decode_ms=args.decode_ms or 0.0, prefill_s=args.prefill_s or 0.0,
+                    concurrency=args.concurrency or 0, context=args.context or 0, max_params=args.max_params or 0.0,
+                    max_active=args.max_active or 0.0, keep=tuple(args.keep), uniform=tuple(args.uniform))
+    if not any((c.speedup, c.decode_ms, c.prefill_s, c.concurrency, c.max_params, c.max_active)):
+        raise UsageError("name at least one constraint: --speedup, --decode-ms, --prefill-s, --concurrency, "
+                         "--max-params or --max-active")
+    search = Search(lib, parent, targets, args.recipe or "", args.metric, c)
+    plan = search.plan(args.method, args.alternatives, args.min_distance)
+    if args.output:
+        child = search.child(search.rows_of(plan), weights=not lib.weightless)
+        child.meta["provenance"] = {"plan": plan.to_json(), "library": str(lib.path),
+                                    "parent": lib.manifest["parent"]["hash"]}
+        ir.save(child, args.output, overwrite=args.overwrite)
+    rows = [("layer", "parent", "child")] + [
+        (str(p["layer"]), lib.rows[[r["layer"] for r in lib.rows].index(p["layer"])]["kind"], p["id"])
+        for p in plan.layers]
+    figures = [("constraint", "parent", "child", "bound")] + [
+        (k, f"{plan.parent[k]:.6g}", f"{plan.predicted[k]:.6g}", f"{plan.limits[k]:.6g}") for k in plan.predicted]
+    pc = parent.param_counts()
+    text = (format_table(rows) + format_table(figures) +
+            f"params {pc['total'] / 1e9:.3f}B -> {plan.params_total / 1e9:.3f}B total, {pc['active'] / 1e9:.3f}B -> "
+            f"{plan.params_active / 1e9:.3f}B active\n"
+            f"{args.method}: objective {plan.objective:.6g} ({plan.score_source} scores), {plan.status}, "
+            f"solved in {plan.solve_seconds:.2f} s" + (f"\nwrote {args.output}" if args.output else "") + "\n")
+    _emit(args, plan.to_json(), text)
+    return 0
+
+
+def add_plan_parser(sub, positive_int, positive_float):
+    p = sub.add_parser("plan", help="search a block library for the architecture that meets a deployment target")
+    p.add_argument("library", help="a library directory (puzzlekit library)")
+    p.add_argument("--parent", help="the parent model (default: the one the library was built from)")
+    p.add_argument("--target", action="append", required=True, help="h100, 8xb200, cpu, ... (repeatable)")
+    p.add_argument("--scenario", action="append", help="decode-heavy, long-1m, ... (one, or one per --target)")
+    p.add_argument("--recipe", help="weight precisions for costing: bf16, fp8, nvfp4, nvfp4-hybrid")
+    p.add_argument("--speedup", type=positive_float, help="throughput >= X times the parent's at the rate floor")
+    p.add_argument("--decode-ms", type=positive_float, help="decode-step latency at batch 1, milliseconds")
+    p.add_argument("--prefill-s", type=positive_float, help="prefill of the scenario's input, seconds")
+    p.add_argument("--concurrency", type=positive_int, help="requests that must fit in memory")
+    p.add_argument("--context", type=positive_int, help="tokens per request for --concurrency (default: scenario)")
+    p.add_argument("--max-params", type=positive_float, help="total parameters at most")
+    p.add_argument("--max-active", type=positive_float, help="active parameters per token at most")
+    p.add_argument("--keep", action="append", default=[], help="block kind kept intact, e.g. attention")
+    p.add_argument("--uniform", action="append", default=[], help="KIND.AXIS equal in every layer, e.g. mamba2.state")
+    p.add_argument("--metric", default="kl", help="score minimised: kl, lm_loss, ... (as recorded)")
+    p.add_argument("--method", default="mip", choices=["mip", "uniform", "greedy"])
+    p.add_argument("--alternatives", type=positive_int, default=1, help="diverse runners-up to report")
+    p.add_argument("--min-distance", type=positive_int, default=1, help="layers each alternative differs in")
+    p.add_argument("--output", "-o", help="write the child checkpoint here")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(run=run_plan)
+    return p

@@ -1,0 +1,124 @@
+"""The one training loop: AdamW with warmup and cosine decay, gradient clipping, non-finite checks, a
+progress bar, and atomic checkpoints that make a killed run resume to the same result.
+
+`train` (the default model), blockwise local distillation and global distillation all call `fit`; they
+differ only in the model, the loss of a step and what they save afterwards.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .errors import PuzzlekitError
+
+
+class TrainingError(PuzzlekitError):
+    """Training cannot go on (diverged, or a checkpoint of other settings)."""
+
+
+@dataclass
+class Schedule:
+    """AdamW (betas 0.9/0.95) with linear warmup then cosine decay to `min_lr_ratio * lr`."""
+
+    steps: int
+    lr: float
+    warmup: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        t = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+    def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """Weight decay on matrices only (not on norms, biases, embeddings)."""
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        decay = [p for n, p in named if p.dim() >= 2 and "embeddings" not in n]
+        rest = [p for n, p in named if not (p.dim() >= 2 and "embeddings" not in n)]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
+                                  {"params": rest, "weight_decay": 0.0}], lr=self.lr, betas=(0.9, 0.95))
+
+
+@dataclass
+class Fit:
+    step: int
+    resumed_from: int
+    seconds: float
+    finished: bool
+    log: list = field(default_factory=list)  # {"step", "lr", loss parts...} per step of this segment
+
+
+def save_atomic(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def fit(model: torch.nn.Module, step_loss: Callable[[int], tuple[torch.Tensor, dict]], schedule: Schedule, *,
+        rng: torch.Generator | None = None, state_file: Path | None = None, every: int = 50,
+        identity: dict | None = None, desc: str = "train", progress: bool = False,
+        max_seconds: float = 0.0, postfix: Callable[[dict], dict] | None = None) -> Fit:
+    """Trains `model` for `schedule.steps` steps of `step_loss(step) -> (loss, parts)`.
+
+    With `state_file`, the model, optimiser, step and `rng` (the data sampler's generator) are saved
+    atomically every `every` steps and at the end; a later call with the same `identity` (the settings
+    that must not change) resumes from there, and ends where an uninterrupted run would.
+    """
+    opt = schedule.optimizer(model)
+    step = resumed_from = 0
+    earlier = 0.0
+    if state_file is not None and Path(state_file).exists():
+        st = torch.load(state_file, weights_only=True)
+        if st.get("identity") != (identity or {}):
+            raise TrainingError(f"{state_file} was written with other settings {st.get('identity')}; "
+                                "use the same settings to resume, or a new output directory")
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        if rng is not None:
+            rng.set_state(st["rng"])
+        step = resumed_from = st["step"]
+        earlier = st.get("seconds", 0.0)
+    start, log = time.monotonic(), []
+    model.train()
+    bar = tqdm(total=schedule.steps, initial=step, desc=desc, disable=not progress, leave=False)
+
+    def save():
+        save_atomic({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                     "rng": rng.get_state() if rng is not None else None, "identity": identity or {},
+                     "seconds": earlier + time.monotonic() - start}, Path(state_file))
+
+    while step < schedule.steps:
+        lr = schedule.lr_at(step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss, parts = step_loss(step)
+        if not torch.isfinite(loss):
+            raise TrainingError(f"{desc}: the loss became {loss.item()} at step {step + 1} (lr {lr:.3g}); "
+                                "the run diverged: lower the learning rate")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if schedule.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.clip)
+        opt.step()
+        step += 1
+        log.append({"step": step, "lr": lr, **parts})
+        bar.update(1)
+        bar.set_postfix(postfix(parts) if postfix else {k: f"{v:.4g}" for k, v in parts.items()})
+        timed_out = max_seconds and time.monotonic() - start > max_seconds
+        if state_file is not None and (step % every == 0 or step == schedule.steps or timed_out):
+            save()
+        if timed_out:
+            break
+    bar.close()
+    model.eval()
+    return Fit(step, resumed_from, earlier + time.monotonic() - start, step >= schedule.steps, log)
