@@ -292,6 +292,7 @@ class CostModel:
         s = self.scenario
         self.act_b, self.kv_b, self.ssm_b = BYTES[s.act_dtype], BYTES[s.kv_dtype], BYTES[s.ssm_dtype]
         self._formats: dict = {}
+        self._node_memo: dict = {}
         self.precisions = {n.path: self._precisions(n.path, n.op) for n in prog.nodes}
         self._memo: dict = {}  # identical layers (same spec, precisions, routing) are priced once per shape
 
@@ -316,13 +317,30 @@ class CostModel:
         `context`, prefill at the scenario's input length, weight and state bytes, parameters): the program's
         figures are the sum of its nodes' plus a per-step overhead, which is how the search prices variants."""
         c = self.scenario.context_len if context is None else context
+        key = (op, batch, c, None if routing is None else tuple(routing), self._path_signature(path))
+        if key not in self._node_memo:  # the same variant in many layers is priced once
+            self._node_memo[key] = self._node_costs(path, op, batch, c, routing)
+        return self._node_memo[key]
+
+    def _path_signature(self, path: str) -> tuple:
+        """Which of the recipe's path patterns `path` matches: paths that match the same ones get the same
+        precisions for every parameter."""
+        from fnmatch import fnmatch
+
+        from ..ir.quant.recipe import get_recipe
+
+        return tuple(fnmatch(path, r.path) for r in get_recipe(self.scenario.recipe).rules) \
+            if self.scenario.recipe else ()
+
+    def _node_costs(self, path: str, op, batch: int, c: int, routing) -> dict:
         prec = self._precisions(path, op)
         run = op.kind != "mtp"  # the head is kept for drafting; plain decoding does not run it
+        shapes = op.params()
         return {"decode_seconds": self._priced(op, prec, routing, batch, 1, c, True) if run else 0.0,
                 "prefill_seconds": self._priced(op, prec, routing, 1, self.scenario.input_len, 0, False) if run else 0.0,
-                "weight_bytes": sum(math.prod(sh) * BYTES[prec[k]] for k, sh in op.params().items()),
+                "weight_bytes": sum(math.prod(sh) * BYTES[prec[k]] for k, sh in shapes.items()),
                 "state_bytes": op.state_bytes(self.kv_b, self.ssm_b, self.act_b, c),
-                "params": sum(math.prod(sh) for sh in op.params().values()), "active_params": op.active_params()}
+                "params": sum(math.prod(sh) for sh in shapes.values()), "active_params": op.active_params()}
 
     def step_overhead(self) -> float:
         return self.provider.step_overhead()

@@ -187,6 +187,7 @@ def test_program_without_decode_state_exports(tmp_path):
     assert np.array_equal(got, seq.numpy())
 
 
+@pytest.mark.slow  # two full exports: about two minutes on 2 cores
 def test_cli_export_and_generate(tmp_path, capsys):
     import json
 

@@ -39,8 +39,11 @@ class Variant:
 
 
 def load_grid(path=None) -> dict:
-    """{kind: {axis: [values]}, "replacements": [...]} from a TOML file, checked for shape and types."""
+    """{kind: {axis: [values]}, "replacements": [...]} from a TOML file or a shipped grid's name (`default`,
+    `planning`), checked for shape and types."""
     path = Path(path) if path else DEFAULT_GRID
+    if not path.exists() and DEFAULT_GRID.with_name(f"{path}-grid.toml").exists():
+        path = DEFAULT_GRID.with_name(f"{path}-grid.toml")
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:

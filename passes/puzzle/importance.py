@@ -5,9 +5,10 @@ Minitron-style statistics, one per prunable axis (docs/puzzle.md gives the reaso
   (experts: over the tokens routed to each);
 - attention query heads: the mean norm of each head's contribution through o_proj, ranked within its KV
   group; KV groups: the sum over their query heads;
-- Mamba heads: the mean norm of each head's x-part of in_proj, ranked within its group; head_dim: the
-  mean |x| per channel over heads; SSM state channels: the mean |B_n * C_n| (after the conv), the
-  same-token part of the state's contribution C_t . h_t, ranked within the group;
+- Mamba heads: the mean norm of each head's contribution through out_proj (after the gate and the grouped
+  norm), ranked within its group; head_dim: the mean |y| per channel times its out_proj column norm;
+  SSM state channels: the mean |B_n * C_n| (after the conv), the same-token part of the state's
+  contribution C_t . h_t, ranked within the group;
 - experts: the damage of removing one with re-routing (its router score set to -inf, the native top-k
   and renormalisation choose again): the normalised squared change of the routed output; also the
   routing frequencies; latent channels: |input| x up-weights + |output| x ||fc2 column||.
@@ -93,18 +94,23 @@ def _attention_stats(mixer, y_heads, acc: _Sums) -> None:
     acc.add("n", torch.tensor(float(y.shape[0])))
 
 
-def _mamba_stats(mixer, proj, acc: _Sums) -> None:
+def _mamba_state_stats(mixer, proj, acc: _Sums) -> None:
     s = mixer.spec
     inner, gn = s.inner, s.groups * s.state
-    x = proj[..., inner:2 * inner]
-    xh = x.reshape(-1, s.heads, s.head_dim)
-    acc.add("heads", xh.norm(dim=-1).sum(0))
-    acc.add("head_dim", xh.abs().sum((0, 1)))
     xbc = proj[..., inner:inner + s.conv_dim].transpose(1, 2)  # [b, conv_dim, t], causal conv as in the mixer
     conv = F.silu(F.conv1d(F.pad(xbc, (s.conv - 1, 0)), mixer.conv1d.weight, mixer.conv1d.bias, groups=s.conv_dim))
     b, c = conv[:, inner:inner + gn], conv[:, inner + gn:]
     acc.add("state", (b * c).abs().sum((0, 2)))
-    acc.add("n", torch.tensor(float(xh.shape[0])))
+
+
+def _mamba_head_stats(mixer, y, acc: _Sums) -> None:
+    """What each head and channel sends through out_proj (after the gate and the grouped norm)."""
+    s = mixer.spec
+    yh = y.reshape(-1, s.heads, s.head_dim)
+    wo = mixer.out_proj.weight.reshape(s.hidden, s.heads, s.head_dim)
+    acc.add("heads", torch.einsum("nhp,ohp->nho", yh, wo).norm(dim=-1).sum(0))
+    acc.add("head_dim", (yh.abs() * wo.norm(dim=0)).sum((0, 1)))
+    acc.add("n", torch.tensor(float(yh.shape[0])))
 
 
 def _ranks_of(op, acc: dict[str, torch.Tensor], mixer) -> dict:
@@ -135,15 +141,16 @@ def _ranks_of(op, acc: dict[str, torch.Tensor], mixer) -> dict:
     return out
 
 
-def _hook(node, mixer, acc: _Sums):
-    """Registers the hook that feeds `acc` for this block kind; returns its handle."""
+def _hooks(node, mixer, acc: _Sums) -> list:
+    """Registers the hooks that feed `acc` for this block kind; returns their handles."""
     kind = node.op.kind
     if kind == "mamba2":
-        return mixer.in_proj.register_forward_hook(lambda m, a, out: _mamba_stats(mixer, out, acc))
+        return [mixer.in_proj.register_forward_hook(lambda m, a, out: _mamba_state_stats(mixer, out, acc)),
+                mixer.out_proj.register_forward_pre_hook(lambda m, a: _mamba_head_stats(mixer, a[0], acc))]
     if kind == "attention":
-        return mixer.o_proj.register_forward_pre_hook(lambda m, a: _attention_stats(mixer, a[0], acc))
+        return [mixer.o_proj.register_forward_pre_hook(lambda m, a: _attention_stats(mixer, a[0], acc))]
     fn = _moe_stats if kind == "moe" else _mlp_stats
-    return mixer.register_forward_pre_hook(lambda m, a: fn(mixer, a[0], acc))
+    return [mixer.register_forward_pre_hook(lambda m, a: fn(mixer, a[0], acc))]
 
 
 def compute_importance(prog: Program, windows: torch.Tensor, batch: int = 4) -> dict:
@@ -153,7 +160,7 @@ def compute_importance(prog: Program, windows: torch.Tensor, batch: int = 4) -> 
     model = materialize(prog)
     blocks = [n for n in prog.blocks() if n.op.axes()]
     accs = {n.path: _Sums() for n in blocks}
-    handles = [_hook(n, model.get_submodule(f"{n.path}.mixer"), accs[n.path]) for n in blocks]
+    handles = [h for n in blocks for h in _hooks(n, model.get_submodule(f"{n.path}.mixer"), accs[n.path])]
     try:
         with torch.no_grad():
             for ids in windows.split(batch):

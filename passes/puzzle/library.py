@@ -140,6 +140,8 @@ class Library:
     def weights(self, row: dict) -> dict[str, torch.Tensor]:
         if self.weightless:
             raise LibraryError(f"library {self.path} is weightless (built from a config); it has no variant weights")
+        if not self.spec(row).params():
+            return {}  # noop
         f = layer_dir(self.path, row["layer"]) / f"{safe_id(row['id'])}.safetensors"
         if not f.exists():
             raise LibraryError(f"library {self.path} lacks the weights of variant {row['layer']}/{row['id']} ({f})")

@@ -1,0 +1,365 @@
+"""Puzzle's architecture search as a mixed-integer program, solved with HiGHS (`scipy.optimize.milp`).
+
+One binary per option (exactly one per layer) minimises the summed score under budgets on summed costs.
+Rows are shifted by each layer's cheapest option and scaled to unit range, so byte counts (~1e11) and
+seconds (~1e-3) meet HiGHS's absolute tolerances alike; every returned choice is re-checked against the
+unscaled numbers, and one HiGHS accepts only within its tolerances is cut off and the search repeated.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import csr_array
+
+from ..core import PassError
+
+#: relative slack when checking a choice against a bound: total <= limit * (1 + TOLERANCE)
+TOLERANCE = 1e-9
+#: largest objective coefficient handed to HiGHS, so its absolute gap (1e-6) is negligible
+_OBJECTIVE_SCALE = 1e4
+#: how many choices feasible only within HiGHS's tolerances are cut off before giving up
+_RETRIES = 100
+_STATUS = {0: "optimal", 1: "time limit", 2: "infeasible"}
+
+
+@dataclass
+class Problem:
+    """Choose one option per layer; arrays are flat over all options. Construction checks the arrays and
+    derives n_layers and members (the option indices of each layer)."""
+
+    layer: np.ndarray                 # int [n]: the layer of each option, layers 0..L-1 each with >= 1 option
+    score: np.ndarray                 # float [n]: minimised
+    costs: dict[str, np.ndarray]      # resource -> float [n], summed over the chosen options
+    limits: dict[str, float]          # resource -> upper bound on its sum
+    uniform: dict[str, np.ndarray] = field(default_factory=dict)  # group -> labels [n], None or -1: not concerned
+    lower: dict[str, float] = field(default_factory=dict)         # resource -> lower bound on its sum
+
+    def __post_init__(self):
+        self.layer = np.asarray(self.layer, dtype=np.int64)
+        n = self.layer.size
+        if self.layer.ndim != 1 or n == 0:
+            raise PassError("Problem.layer must be a non-empty 1-D array of layer indices")
+        self.n_layers = int(self.layer.max()) + 1
+        if self.layer.min() < 0 or not np.bincount(self.layer).all():
+            raise PassError("Problem.layer must number the layers 0..L-1, each with at least one option")
+        self.score = _vector("score", self.score, n)
+        self.costs = {r: _vector(f"costs[{r!r}]", c, n) for r, c in self.costs.items()}
+        for kind, bounds in (("limits", self.limits), ("lower", self.lower)):
+            unknown = set(bounds) - set(self.costs)
+            if unknown:
+                raise PassError(f"Problem.{kind} names resources without costs: {sorted(unknown)}")
+            if not all(math.isfinite(v) for v in bounds.values()):
+                raise PassError(f"Problem.{kind} must be finite: {bounds}")
+        self.members = [np.flatnonzero(self.layer == l) for l in range(self.n_layers)]
+        self._codes, self._labels = {}, {}
+        for g, labels in self.uniform.items():
+            self._codes[g], self._labels[g] = _encode(g, labels, n)
+        starts = np.cumsum([n] + [len(v) for v in self._labels.values()])
+        self._y_start = dict(zip(self._labels, starts[:-1].tolist()))
+        self._n_vars = int(starts[-1])
+
+
+@dataclass
+class Solution:
+    choice: np.ndarray          # int [L]: the option (index into the flat arrays) chosen for each layer
+    objective: float            # summed score of the choice (exact)
+    totals: dict[str, float]    # resource -> summed cost of the choice (exact), for every resource in costs
+    status: str                 # "optimal" or "time limit"
+    gap: float                  # relative gap between the objective and HiGHS's lower bound
+    seconds: float
+
+
+class Binding(NamedTuple):
+    """A bound out of reach: `best` is the least (sense "<=") or most (">=") the resource can reach."""
+
+    resource: str
+    best: float | None
+    bound: float
+    sense: str
+
+
+class Infeasible(PassError):
+    """No choice meets every constraint. `binding` gives the numbers of the bounds at fault; `conflict`
+    describes a smallest set of constraints that cannot hold together (each can alone unless binding alone)."""
+
+    def __init__(self, message: str, binding=(), conflict=()):
+        super().__init__(message)
+        self.binding = list(binding)
+        self.conflict = list(conflict)
+
+
+class TimedOut(PassError):
+    """HiGHS found no feasible choice within the time limit, so feasibility is unknown."""
+
+
+class _Con(NamedTuple):
+    """One constraint: kind "<=" / ">=" on a resource's sum, or "same" for a uniform group."""
+
+    kind: str
+    name: str
+
+
+class _Run(NamedTuple):
+    choice: np.ndarray | None
+    status: str
+    gap: float                  # absolute, in objective units
+    seconds: float
+
+
+def solve(problem: Problem, n_solutions: int = 1, min_distance: int = 1, time_limit: float = 60.0,
+          mip_rel_gap: float = 1e-9) -> list[Solution]:
+    """The best choice, then up to n_solutions - 1 next best ones, each differing from every earlier one in
+    at least `min_distance` layers (Puzzle's diversity constraint). Fewer come back when no more exist or a
+    later run times out without a solution. `time_limit` is in seconds per HiGHS run.
+    Raises Infeasible (with a diagnosis) or TimedOut when there is no first solution."""
+    if n_solutions < 1 or min_distance < 1:
+        raise PassError(f"solve needs n_solutions >= 1 and min_distance >= 1, got {n_solutions}, {min_distance}")
+    active = _constraints(problem)
+    found: list[Solution] = []
+    for _ in range(n_solutions):
+        cuts = [(s.choice, problem.n_layers - min_distance) for s in found]
+        run = _optimise(problem, problem.score, active, cuts, time_limit, mip_rel_gap)
+        if run.choice is None:
+            if found:
+                break
+            if run.status == "infeasible":
+                raise _diagnose(problem, time_limit)
+            raise TimedOut(f"HiGHS found no feasible choice in {time_limit} s ({run.status}); raise time_limit")
+        objective = math.fsum(problem.score[run.choice])
+        found.append(Solution(run.choice, objective, _totals(problem, run.choice), run.status,
+                              float(run.gap / max(abs(objective), 1e-300)), run.seconds))
+    return found
+
+
+def minimum(problem: Problem, resource: str, drop=(), time_limit: float = 60.0) -> float | None:
+    """The least achievable sum of `resource` when every other constraint holds (its own limit is ignored,
+    and so are all bounds and uniform groups named in `drop`); None when even that is infeasible."""
+    if resource not in problem.costs:
+        raise PassError(f"minimum: no costs for {resource!r}; known: {sorted(problem.costs)}")
+    active = [c for c in _constraints(problem) if c != _Con("<=", resource) and c.name not in drop]
+    return _extreme(problem, _Con("<=", resource), active, time_limit)
+
+
+def _constraints(p: Problem) -> list[_Con]:
+    """Uniform groups first: the conflict search drops earlier ones first, keeping budgets to blame."""
+    return ([_Con("same", g) for g in p.uniform] + [_Con("<=", r) for r in p.limits]
+            + [_Con(">=", r) for r in p.lower])
+
+
+def _optimise(p: Problem, objective, active, cuts, time_limit, gap) -> _Run:
+    """Minimise `objective` under `active` and `cuts` (choice, most layers it may share); verified exactly."""
+    t0 = time.perf_counter()
+    cuts = list(cuts)
+    reduced, _ = _reduce(p, objective)
+    top = reduced.max() if reduced.max() > 0 else 1.0
+    c = np.zeros(p._n_vars)
+    c[:reduced.size] = reduced / top * _OBJECTIVE_SCALE
+    for _ in range(_RETRIES):
+        res = milp(c, integrality=np.ones(p._n_vars), bounds=Bounds(0, 1), constraints=_rows(p, active, cuts),
+                   options={"time_limit": time_limit, "mip_rel_gap": gap})
+        status = _STATUS.get(res.status, res.message)
+        if res.x is None:
+            return _Run(None, status, math.inf, time.perf_counter() - t0)
+        choice = np.array([m[np.argmax(res.x[m])] for m in p.members])
+        if _meets_all(p, choice, active, cuts):
+            gap = max(res.fun - res.mip_dual_bound, 0.0) * top / _OBJECTIVE_SCALE
+            return _Run(choice, status, gap, time.perf_counter() - t0)
+        cuts.append((choice, p.n_layers - 1))   # feasible only within HiGHS's tolerances: exclude, retry
+    raise PassError(f"HiGHS returned {_RETRIES} choices that break the bounds in exact arithmetic; the costs or "
+                    "bounds are numerically degenerate (e.g. near-zero cost differences)")
+
+
+def _extreme(p: Problem, con: _Con, active, time_limit) -> float | None:
+    """The least ("<=") or most (">=") reachable sum of con's resource under `active`; None if infeasible."""
+    sign = 1.0 if con.kind == "<=" else -1.0
+    run = _optimise(p, sign * p.costs[con.name], active, (), time_limit, 1e-9)
+    if run.choice is None:
+        if run.status == "infeasible":
+            return None
+        raise TimedOut(f"HiGHS could not bound {con.name} in {time_limit} s ({run.status}); raise time_limit")
+    return math.fsum(p.costs[con.name][run.choice])
+
+
+def _feasible(p: Problem, active, time_limit) -> bool:
+    run = _optimise(p, np.zeros(p.layer.size), active, (), time_limit, 1e-9)
+    if run.choice is None and run.status != "infeasible":
+        raise TimedOut(f"HiGHS could not decide feasibility in {time_limit} s ({run.status}); raise time_limit")
+    return run.choice is not None
+
+
+def _rows(p: Problem, active, cuts) -> LinearConstraint:
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def add(c, v, lb, ub):
+        rows.extend([len(lo)] * len(c))
+        cols.extend(c)
+        vals.extend(np.broadcast_to(v, len(c)))
+        lo.append(lb)
+        hi.append(ub)
+
+    for m in p.members:                                  # exactly one option per layer
+        add(m, 1.0, 1.0, 1.0)
+    for con in active:
+        if con.kind == "same":
+            _uniform_rows(p, con.name, add)
+        else:
+            _bound_row(p, con, add)
+    for chosen, most in cuts:                            # share at most `most` layers with `chosen`
+        add(chosen, 1.0, -np.inf, most)
+    a = csr_array((vals, (rows, cols)), shape=(len(lo), p._n_vars))
+    return LinearConstraint(a, lo, hi)
+
+
+def _bound_row(p: Problem, con: _Con, add):
+    """sum cost <= / >= bound, shifted by the per-layer minima and scaled to a unit coefficient range, so
+    the row's activity lies in [0, L]; clipping the right-hand side to [-1, L + 1] keeps its meaning."""
+    reduced, base = _reduce(p, p.costs[con.name])
+    scale = reduced.max() if reduced.max() > 0 else 1.0
+    bound, slack = _bounds(p, con), TOLERANCE * abs(_bounds(p, con))
+    with np.errstate(over="ignore"):                     # a tiny scale: +-inf, clipped just below
+        rhs = np.float64(bound + slack - base if con.kind == "<=" else bound - slack - base) / scale
+    rhs = float(np.clip(rhs, -1.0, p.n_layers + 1.0))
+    nz = np.flatnonzero(reduced)
+    add(nz, reduced[nz] / scale, -np.inf if con.kind == "<=" else rhs, rhs if con.kind == "<=" else np.inf)
+
+
+def _uniform_rows(p: Problem, g: str, add):
+    """One binary y per label, sum y = 1; a layer's options with label k sum to y_k (at most y_k when the
+    layer also has options outside the group)."""
+    codes, y0, k = p._codes[g], p._y_start[g], len(p._labels[g])
+    if k == 0:
+        return
+    add(np.arange(y0, y0 + k), 1.0, 1.0, 1.0)
+    for m in p.members:
+        mine = codes[m]
+        if (mine < 0).all():
+            continue
+        full = (mine >= 0).all()
+        for label in range(k):
+            opts = m[mine == label]
+            if full or opts.size:
+                add(np.append(opts, y0 + label), np.append(np.ones(opts.size), -1.0), 0.0 if full else -np.inf, 0.0)
+
+
+def _reduce(p: Problem, values: np.ndarray) -> tuple[np.ndarray, float]:
+    """values minus their layer's minimum, and the sum of those minima (exactly one option per layer)."""
+    mins = np.full(p.n_layers, np.inf)
+    np.minimum.at(mins, p.layer, values)
+    return values - mins[p.layer], math.fsum(mins)
+
+
+def _bounds(p: Problem, con: _Con) -> float:
+    return p.limits[con.name] if con.kind == "<=" else p.lower[con.name]
+
+
+def _meets(p: Problem, con: _Con, total: float) -> bool:
+    bound = _bounds(p, con)
+    slack = TOLERANCE * abs(bound)
+    return total <= bound + slack if con.kind == "<=" else total >= bound - slack
+
+
+def _meets_all(p: Problem, choice: np.ndarray, active, cuts) -> bool:
+    """Whether the choice meets every constraint, checked on the unscaled numbers."""
+    for con in active:
+        if con.kind == "same":
+            if len({c for c in p._codes[con.name][choice] if c >= 0}) > 1:
+                return False
+        elif not _meets(p, con, math.fsum(p.costs[con.name][choice])):
+            return False
+    return all(np.count_nonzero(choice == chosen) <= most for chosen, most in cuts)
+
+
+def _totals(p: Problem, choice: np.ndarray) -> dict[str, float]:
+    return {r: math.fsum(c[choice]) for r, c in p.costs.items()}
+
+
+def _describe(p: Problem, con: _Con) -> str:
+    return f"uniform {con.name}" if con.kind == "same" else f"{con.name} {con.kind} {_bounds(p, con):.6g}"
+
+
+def _diagnose(p: Problem, time_limit: float) -> Infeasible:
+    """Why nothing is feasible: uniform groups that cannot agree, bounds out of reach alone, or else a
+    smallest set of constraints that conflict, with each bound's best value while the rest of the set holds."""
+    groups = [c for c in _constraints(p) if c.kind == "same"]
+    if not _feasible(p, groups, time_limit):
+        conflict = _smallest_conflict(p, groups, time_limit)
+        if len(conflict) == 1:
+            message = f"no label of {_uniform_detail(p, conflict[0].name)}"
+        else:
+            message = f"uniform groups {', '.join(c.name for c in conflict)} cannot hold together (each can alone)"
+        return Infeasible(message, conflict=[_describe(p, c) for c in conflict])
+    budgets = [c for c in _constraints(p) if c.kind != "same"]
+    alone = [b for b in (_binding(p, c, groups, time_limit) for c in budgets) if b]
+    if alone:
+        return Infeasible("no choice meets " + "; ".join(_say(b) for b in alone), binding=alone,
+                          conflict=[_describe(p, _Con(b.sense, b.resource)) for b in alone])
+    conflict = _smallest_conflict(p, _constraints(p), time_limit)
+    binding = [b for c in conflict if c.kind != "same"
+               if (b := _binding(p, c, [o for o in conflict if o != c], time_limit))]
+    names = " and ".join(_describe(p, c) for c in conflict)
+    return Infeasible(f"{names} cannot hold together (each can alone); with the others held, "
+                      + "; ".join(_say(b) for b in binding), binding=binding,
+                      conflict=[_describe(p, c) for c in conflict])
+
+
+def _binding(p: Problem, con: _Con, active, time_limit) -> Binding | None:
+    """The bound's best reachable value under `active`, when that value breaks it."""
+    best = _extreme(p, con, active, time_limit)
+    if best is not None and _meets(p, con, best):
+        return None
+    return Binding(con.name, best, _bounds(p, con), con.kind)
+
+
+def _smallest_conflict(p: Problem, cons, time_limit) -> list[_Con]:
+    """Deletion filter: drop each constraint whose removal leaves the rest infeasible; what stays conflicts
+    and every proper subset of it is feasible."""
+    keep = list(cons)
+    for con in list(cons):
+        rest = [c for c in keep if c != con]
+        if not _feasible(p, rest, time_limit):
+            keep = rest
+    return keep
+
+
+def _say(b: Binding) -> str:
+    if b.best is None:
+        return f"{b.resource}: unreachable with the other constraints"
+    if b.sense == "<=":
+        return f"{b.resource}: needs {b.best:.6g} at best, {b.bound:.6g} allowed"
+    return f"{b.resource}: reaches {b.best:.6g} at most, {b.bound:.6g} required"
+
+
+def _uniform_detail(p: Problem, g: str) -> str:
+    """The labels offered by the layers that must take one of the group's labels."""
+    codes, labels = p._codes[g], p._labels[g]
+    offered = [f"layer {l}: {[labels[c] for c in np.unique(codes[m])]}" for l, m in enumerate(p.members)
+               if (codes[m] >= 0).all()]
+    shown = ", ".join(offered[:6]) + (", ..." if len(offered) > 6 else "")
+    return f"uniform group {g} is offered by every layer that must take one ({shown})"
+
+
+def _vector(name: str, values, n: int) -> np.ndarray:
+    v = np.asarray(values, dtype=np.float64)
+    if v.shape != (n,) or not np.isfinite(v).all():
+        raise PassError(f"Problem.{name} must be {n} finite numbers, got shape {v.shape}")
+    return v
+
+
+def _encode(g: str, labels, n: int) -> tuple[np.ndarray, list]:
+    """Integer codes per option (-1: not concerned) and the distinct labels they index."""
+    labels = list(labels)
+    if len(labels) != n:
+        raise PassError(f"Problem.uniform[{g!r}] has {len(labels)} labels for {n} options")
+    index: dict = {}
+    codes = np.array([-1 if _unconcerned(x) else index.setdefault(x, len(index)) for x in labels], dtype=np.int64)
+    return codes, list(index)
+
+
+def _unconcerned(label) -> bool:
+    return label is None or (isinstance(label, numbers.Integral) and label == -1)

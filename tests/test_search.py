@@ -1,0 +1,177 @@
+"""The hardware-costed search over a library: the MIP's linear costs equal the cost model's figures for the
+realised child, constraints hold, baselines, realisation, and clear errors. Weightless libraries (prior
+scores, analytic GPU targets) keep these fast; measured libraries are exercised in test_library."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from puzzlekit import ir
+from puzzlekit.backends.cost import CostModel, get_scenario
+from puzzlekit.passes.puzzle import build_library
+from puzzlekit.passes.puzzle.search import Constraints, PlanError, Search
+from puzzlekit.tools.cli import main
+from puzzlekit.tools.default_model import DEFAULT_MODEL
+
+SUPER = Path(__file__).resolve().parents[2] / "shared" / "configs" / "nemotron-3-super-120b-a12b.config.json"
+REL = 1e-9
+
+
+@pytest.fixture(scope="module")
+def meta_lib(tmp_path_factory):
+    """A weightless library of the built-in model's architecture (its config alone)."""
+    parent = ir.load(DEFAULT_MODEL / "config.json")
+    return parent, build_library(parent, tmp_path_factory.mktemp("lib") / "lib")
+
+
+@pytest.fixture(scope="module")
+def super_lib(tmp_path_factory):
+    parent = ir.load(SUPER)
+    return parent, build_library(parent, tmp_path_factory.mktemp("super") / "lib")
+
+
+def realised_figures(search: Search, plan, target: str, scenario: str, batch: int, requests: int, recipe=""):
+    child = search.child(search.rows_of(plan))
+    cm = CostModel(child, target, get_scenario(scenario, recipe=recipe or None))
+    s = cm.scenario
+    return child, {"decode_seconds": cm.decode_step_seconds(batch), "prefill_seconds": cm.prefill_seconds(),
+                   "memory_bytes": cm.weight_bytes() + requests * cm.state_bytes_per_request(),
+                   "latency_seconds": cm.decode_step_seconds(1), "params": child.param_counts()["total"],
+                   "active_params": child.param_counts()["active"], "context": s.context_len}
+
+
+@pytest.mark.parametrize("target,scenario,constraints", [
+    ("h100", "chat", Constraints(speedup=2.0)),
+    ("8xb200", "chat", Constraints(speedup=1.5, keep=("mlp",))),
+    ("h100", "prefill-heavy", Constraints(prefill_s=0.0005, decode_ms=0.15, max_params=1.0e6)),
+    ("b200", "chat", Constraints(concurrency=4, max_active=0.8e6, uniform=("mamba2.state",))),
+])
+def test_the_mips_linear_costs_equal_the_cost_model_for_the_realised_child(meta_lib, target, scenario, constraints):
+    parent, lib = meta_lib
+    search = Search(lib, parent, [(target, scenario)], constraints=constraints)
+    plan = search.plan()
+    assert plan.feasible and plan.status == "optimal" and plan.score_source == "prior"
+    _, got = realised_figures(search, plan, target, scenario, plan.batch, constraints.concurrency or plan.batch)
+    assert set(plan.predicted) == set(plan.limits)
+    for k, v in plan.predicted.items():
+        assert v == pytest.approx(got[k], rel=REL), k
+        assert v <= plan.limits[k] * (1 + REL), k
+    if constraints.keep:
+        assert [p["id"] for p in plan.layers if p["path"] == "backbone.layers.6"] == ["parent"]  # the MLP layer
+    if constraints.uniform:
+        states = {lib.spec(r).state for r in search.rows_of(plan) if r["kind"] == "mamba2"}
+        assert len(states) == 1
+
+
+def test_a_throughput_target_is_met_by_the_realised_child(meta_lib):
+    parent, lib = meta_lib
+    search = Search(lib, parent, [("h100", "chat")], constraints=Constraints(speedup=2.0))
+    plan = search.plan()
+    child = search.child(search.rows_of(plan))
+    before = CostModel(parent, "h100", get_scenario("chat")).report()
+    after = CostModel(child, "h100", get_scenario("chat")).report()
+    assert after.throughput_tokens_per_second >= 2.0 * before.throughput_tokens_per_second * (1 - 1e-9)
+
+
+def test_baselines_meet_the_constraints_and_score_no_better_than_the_mip(meta_lib):
+    parent, lib = meta_lib
+    search = Search(lib, parent, [("h100", "chat")], constraints=Constraints(speedup=1.6))
+    best = search.plan()
+    for method in ("uniform", "greedy"):
+        p = search.plan(method)
+        assert all(p.predicted[k] <= p.limits[k] * (1 + REL) for k in p.predicted), method
+        assert p.objective >= best.objective - 1e-12, method
+
+
+def test_diverse_alternatives(meta_lib):
+    parent, lib = meta_lib
+    plan = Search(lib, parent, [("h100", "chat")], constraints=Constraints(speedup=1.5)).plan(alternatives=3,
+                                                                                             min_distance=2)
+    seen = [[p["id"] for p in plan.layers]] + [[p["id"] for p in a["layers"]] for a in plan.alternatives]
+    assert len(seen) == 3
+    for i in range(3):
+        for j in range(i):
+            assert sum(a != b for a, b in zip(seen[i], seen[j])) >= 2
+
+
+def test_two_targets_at_once(meta_lib):
+    parent, lib = meta_lib
+    plan = Search(lib, parent, [("h100", "chat"), ("b200", "decode-heavy")],
+                  constraints=Constraints(speedup=1.5)).plan()
+    assert {k.split("@")[1] for k in plan.predicted} == {"h100/chat", "b200/decode-heavy"}
+    assert all(plan.predicted[k] <= plan.limits[k] * (1 + REL) for k in plan.predicted)
+
+
+def test_an_infeasible_target_names_the_binding_constraint(meta_lib):
+    parent, lib = meta_lib
+    search = Search(lib, parent, [("h100", "chat")], constraints=Constraints(max_params=1000))
+    with pytest.raises(PlanError, match=r"params: needs .* at best, .* allowed"):
+        search.plan()
+
+
+def test_full_scale_planning_on_the_super_config(super_lib):
+    """Both published deployment targets solve on a weightless 88-layer library with prior scores."""
+    parent, lib = super_lib
+    assert min(len(v) for v in lib.layers().values()) >= 8
+    c = Constraints(concurrency=8, context=1 << 20, keep=("attention",), uniform=("mamba2.state",))
+    search = Search(lib, parent, [("h100", "long-1m")], recipe="nvfp4-hybrid", constraints=c)
+    plan = search.plan(time_limit=60)
+    assert plan.predicted["memory_bytes"] <= plan.limits["memory_bytes"]
+    assert plan.params_total < parent.param_counts()["total"]
+
+
+def test_memory_out_of_reach_says_how_many_requests_fit(super_lib):
+    parent, lib = super_lib
+    c = Constraints(concurrency=64, keep=("attention",))
+    search = Search(lib, parent, [("h100", "long-1m")], recipe="nvfp4-hybrid", constraints=c)
+    with pytest.raises(PlanError, match=r"memory_bytes: needs .* GB at best, 72.00 GB allowed(.|\n)*\d+ requests fit"):
+        search.plan()
+
+
+def test_plan_command_json_and_child(meta_lib, tmp_path, capsys):
+    _, lib = meta_lib
+    out = tmp_path / "child"
+    assert main(["plan", str(lib.path), "--target", "h100", "--scenario", "chat", "--speedup", "1.5",
+                 "-o", str(out), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert {"feasible", "solve_seconds", "params_total", "params_active", "layers", "predicted", "parent"} <= set(got)
+    child = ir.load(out)
+    assert [n.op.kind for n in child.blocks()] and child.find("mtp")
+    assert json.loads((out / "config.json").read_text())["provenance"]["plan"]["objective"] == got["objective"]
+
+
+@pytest.mark.parametrize("args,code,match", [
+    (["--target", "h100", "--scenario", "chat", "--max-params", "1000"], 1, "params: needs"),
+    (["--target", "h200x", "--scenario", "chat", "--speedup", "2"], 1, "unknown target 'h200x'"),
+    (["--target", "h100", "--scenario", "brunch", "--speedup", "2"], 1, "unknown scenario 'brunch'"),
+    (["--target", "h100", "--scenario", "chat", "--speedup", "2", "--uniform", "mamba2.width"], 1,
+     "mamba2 has no attribute 'width'"),
+    (["--target", "h100", "--scenario", "chat", "--speedup", "2", "--keep", "conv"], 1, "keep=.*conv"),
+    (["--target", "h100", "--scenario", "chat"], 2, "name at least one constraint"),
+    (["--target", "h100", "--speedup", "-1"], 2, "--speedup"),
+])
+def test_plan_errors_are_clear(meta_lib, args, code, match):
+    _, lib = meta_lib
+    p = subprocess.run([sys.executable, "-m", "puzzlekit.tools", "plan", str(lib.path), *args],
+                       capture_output=True, text=True)
+    assert p.returncode == code, p.stderr
+    assert "Traceback" not in p.stderr
+    import re
+
+    assert re.search(match, p.stderr), p.stderr
+
+
+def test_a_library_without_scores_is_refused_outside_the_prior(tmp_path, meta_lib):
+    parent, lib = meta_lib
+    manifest = dict(lib.manifest, weightless=False)
+    d = tmp_path / "lib"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    from puzzlekit.passes.puzzle import Library
+
+    with pytest.raises(Exception, match="no 'kl' score"):
+        Search(Library.open(d, parent), parent, [("h100", "chat")], constraints=Constraints(speedup=2))
