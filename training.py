@@ -93,6 +93,10 @@ def fit(model: torch.nn.Module, step_loss: Callable[[int], tuple[torch.Tensor, d
     bar = tqdm(total=schedule.steps, initial=step, desc=desc, disable=not progress, leave=False)
 
     def save():
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:  # nothing non-finite is ever saved
+            raise TrainingError(f"{desc}: training diverged at step {step}: weights became NaN/inf "
+                                f"({', '.join(bad[:3])}); lower the learning rate (--lr) and start again")
         save_atomic({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                      "rng": rng.get_state() if rng is not None else None, "identity": identity or {},
                      "seconds": earlier + time.monotonic() - start}, Path(state_file))
@@ -103,8 +107,8 @@ def fit(model: torch.nn.Module, step_loss: Callable[[int], tuple[torch.Tensor, d
             g["lr"] = lr
         loss, parts = step_loss(step)
         if not torch.isfinite(loss):
-            raise TrainingError(f"{desc}: the loss became {loss.item()} at step {step + 1} (lr {lr:.3g}); "
-                                "the run diverged: lower the learning rate")
+            raise TrainingError(f"{desc}: training diverged at step {step + 1}: the loss is {loss.item()} at "
+                                f"learning rate {lr:.3g}; lower the learning rate (--lr) and start again")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if schedule.clip:

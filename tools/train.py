@@ -9,18 +9,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from .. import evaluate, ir
 from ..backends.torch import materialize, random_weights
 from ..data import load_corpus, random_windows, sequential_windows
 from ..errors import PuzzlekitError
+from ..training import Schedule, fit
 from .default_model import default_architecture
 
 
@@ -56,12 +55,6 @@ class TrainConfig:
         """The settings a resumed run must share (evaluation size and time limit may change)."""
         return {k: v for k, v in asdict(self).items() if k not in ("eval_windows", "max_minutes")}
 
-    def lr_at(self, step: int) -> float:
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        t = (step - self.warmup) / max(1, self.steps - self.warmup)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
-
 
 def loss_fn(model, ids: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, dict]:
     """Next-byte cross-entropy of the trunk plus `mtp_weight` times the MTP head's (from position 1)."""
@@ -72,79 +65,27 @@ def loss_fn(model, ids: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, 
     return trunk + mtp_weight * head, {"loss": trunk.item(), "mtp_loss": head.item()}
 
 
-def _optimizer(model, cfg: TrainConfig):
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embeddings" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embeddings" not in n)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(0.9, 0.95))
-
-
-def _save_state(path: Path, state: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def _diverged(step: int, what: str, cfg: TrainConfig) -> PuzzlekitError:
-    """Training stops at the first non-finite loss or weight, so nothing NaN is saved."""
-    return PuzzlekitError(f"training diverged at step {step}: {what} at learning rate {cfg.lr_at(step - 1):.3g} "
-                          f"(--lr {cfg.lr:g}); lower --lr and start again in a new output directory")
-
-
 def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: bool = True) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state_file = out / "train_state.pt"
     corpus = load_corpus(data)
     prog = random_weights(default_architecture(), seed=cfg.seed)
-    model = materialize(prog).train()
-    opt = _optimizer(model, cfg)
+    model = materialize(prog)
     gen = torch.Generator().manual_seed(cfg.seed)
-    step = resumed_from = 0
-    earlier = 0.0  # seconds spent by earlier segments of this run
-    if state_file.exists():
-        st = torch.load(state_file, weights_only=True)
-        if st["config"] != cfg.identity() or st.get("data") != (data or []):
-            raise PuzzlekitError(f"{state_file} was written with other settings {st['config']} "
-                                 f"(data {st.get('data') or 'the Python stdlib'}); "
-                                 "use the same settings to resume or a new output directory")
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        gen.set_state(st["generator"])
-        step = resumed_from = st["step"]
-        earlier = st.get("seconds", 0.0)
-    start, log = time.monotonic(), []
-    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not progress)
-    while step < cfg.steps:
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr_at(step)
-        loss, parts = loss_fn(model, random_windows(corpus.train, cfg.batch, cfg.seq + 1, gen), cfg.mtp_weight)
-        if not all(math.isfinite(v) for v in parts.values()):
-            raise _diverged(step + 1, f"the loss is {parts['loss']} (MTP {parts['mtp_loss']})", cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(bpb=f"{parts['loss'] / evaluate.LN2:.3f}", mtp=f"{parts['mtp_loss'] / evaluate.LN2:.3f}")
-        log.append({"step": step, **parts})
-        timed_out = cfg.max_minutes and time.monotonic() - start > cfg.max_minutes * 60
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps or timed_out:
-            if bad := [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]:
-                raise _diverged(step, f"weights became NaN/inf ({', '.join(bad[:3])})", cfg)
-            _save_state(state_file, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                                     "generator": gen.get_state(), "config": cfg.identity(), "data": data or [],
-                                     "seconds": earlier + time.monotonic() - start})
-        if timed_out:
-            break
-    bar.close()
+    schedule = Schedule(cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio, cfg.weight_decay)
+    run = fit(model, lambda step: loss_fn(model, random_windows(corpus.train, cfg.batch, cfg.seq + 1, gen),
+                                          cfg.mtp_weight),
+              schedule, rng=gen, state_file=state_file, every=cfg.checkpoint_every,
+              identity={**cfg.identity(), "data": data or []}, progress=progress, max_seconds=cfg.max_minutes * 60,
+              postfix=lambda p: {"bpb": f"{p['loss'] / evaluate.LN2:.3f}", "mtp": f"{p['mtp_loss'] / evaluate.LN2:.3f}"})
+    step, resumed_from = run.step, run.resumed_from
     model.eval()
     for name, t in model.state_dict().items():
         prog.weights.set(name, t.detach().clone())
     windows = sequential_windows(corpus.valid, cfg.seq + 1, limit=cfg.eval_windows)
     metrics = {
-        "step": step, "resumed_from": resumed_from, "finished": step >= cfg.steps, "train_seconds": round(earlier + time.monotonic() - start, 1),
+        "step": step, "resumed_from": resumed_from, "finished": run.finished, "train_seconds": round(run.seconds, 1),
         "valid_bits_per_byte": evaluate.bits_per_byte(model, windows),
         "unigram_bits_per_byte": evaluate.unigram_bits_per_byte(corpus.train, windows),
         "mtp_top1_accuracy": evaluate.mtp_accuracy(model, windows),
