@@ -161,7 +161,7 @@ def _unsupported(cfg: dict, src: Path):
 BLOCK_KINDS = tuple(sorted(k for k, c in OPS.items() if c.is_block))
 
 
-def _spec_from_dict(d, where: str, kinds=BLOCK_KINDS) -> OpSpec:
+def spec_from_dict(d, where: str, kinds=BLOCK_KINDS) -> OpSpec:
     """One op spec from its JSON object; `kinds` are the block types allowed at this place."""
     if not isinstance(d, dict):
         raise CheckpointError(f"{where} must be an object with a block_type, got {_short(d)}")
@@ -175,19 +175,19 @@ def _spec_from_dict(d, where: str, kinds=BLOCK_KINDS) -> OpSpec:
             raise CheckpointError(f"{where}.blocks must be a list of block objects, got {_short(blocks)}")
         if len(blocks) > MAX_LAYERS:
             raise _too_many_layers(where, "blocks", len(blocks))
-        d["blocks"] = tuple(_spec_from_dict(b, f"{where}.blocks[{i}]") for i, b in enumerate(blocks))
+        d["blocks"] = tuple(spec_from_dict(b, f"{where}.blocks[{i}]") for i, b in enumerate(blocks))
     try:
         return OPS[kind](**d)
     except (TypeError, ValueError, OverflowError) as e:
         raise CheckpointError(f"{where}: bad attributes for {kind}: {e}") from None
 
 
-def _spec_to_dict(op: OpSpec) -> dict:
+def spec_to_dict(op: OpSpec) -> dict:
     d = {"block_type": op.kind}
     for k, v in op.attrs().items():
         if k == "quant" and not v:
             continue
-        d[k] = [_spec_to_dict(b) for b in v] if k == "blocks" else v
+        d[k] = [spec_to_dict(b) for b in v] if k == "blocks" else v
     return d
 
 
@@ -195,8 +195,8 @@ def _our_layers(cfg: dict, src: Path) -> tuple[list[OpSpec], OpSpec | None]:
     """Per-layer specs from our `block_configs` (and `mtp`) objects."""
     if len(cfg["block_configs"]) > MAX_LAYERS:
         raise _too_many_layers(src, "block_configs", len(cfg["block_configs"]))
-    blocks = [_spec_from_dict(d, f"{src}: block_configs[{i}]") for i, d in enumerate(cfg["block_configs"])]
-    mtp = _spec_from_dict(cfg["mtp"], f"{src}: mtp", ("mtp",)) if "mtp" in cfg else None
+    blocks = [spec_from_dict(d, f"{src}: block_configs[{i}]") for i, d in enumerate(cfg["block_configs"])]
+    mtp = spec_from_dict(cfg["mtp"], f"{src}: mtp", ("mtp",)) if "mtp" in cfg else None
     n = cfg.get("num_nextn_predict_layers")
     if n is not None and n != int(mtp is not None):
         raise CheckpointError(f"{src}: num_nextn_predict_layers is {n} but the config has "
@@ -512,8 +512,8 @@ def config_of(prog: Program) -> dict:
         "dtype": prog.meta.get("dtype", "float32"),
         "num_hidden_layers": len(prog.blocks()),
         "num_nextn_predict_layers": len(mtp),
-        "block_configs": [_spec_to_dict(b.op) for b in prog.blocks()],
-        "mtp": _spec_to_dict(mtp[0].op) if mtp else None,
+        "block_configs": [spec_to_dict(b.op) for b in prog.blocks()],
+        "mtp": spec_to_dict(mtp[0].op) if mtp else None,
         **({"quantization_config": quantization_config(prog)} if any(n.op.quant for n in prog.nodes) else {}),
         **({"provenance": prog.meta["provenance"]} if prog.meta.get("provenance") else {}),
     }

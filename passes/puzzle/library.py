@@ -21,8 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ...ir import Program, print_program
-from ...ir.checkpoint import _spec_from_dict as spec_from_dict
-from ...ir.checkpoint import _spec_to_dict as spec_to_dict
+from ...ir.checkpoint import spec_from_dict, spec_to_dict
 from ...ir.ops import Linear, Noop, OpSpec
 from ..core import PassError
 from .grid import Variant
