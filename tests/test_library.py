@@ -273,3 +273,13 @@ def test_at_2x_cpu_throughput_the_mip_child_beats_the_baselines(lib, parent, tmp
     assert min(kl["uniform"], kl["greedy"]) < float("inf"), kl
     assert score["mip"] <= min(score["uniform"], score["greedy"]) + 1e-12, score
     assert kl["mip"] < 0.5 * kl["uniform"] and kl["mip"] <= 1.1 * kl["greedy"], kl
+
+
+def test_the_library_command_never_writes_into_its_input_or_a_foreign_directory(tmp_path, capsys):
+    d = tmp_path / "notes"
+    d.mkdir()
+    (d / "keep.txt").write_text("mine")
+    assert main(["library", "-o", str(d)]) == 1
+    assert "holds no library" in capsys.readouterr().err and [p.name for p in d.iterdir()] == ["keep.txt"]
+    assert main(["library", "-o", str(model_path(None))]) == 2
+    assert "would replace the input" in capsys.readouterr().err

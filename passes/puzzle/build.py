@@ -72,7 +72,10 @@ def _start(prog: Program, out: Path, settings: LibrarySettings, digest: str) -> 
             raise LibraryError(f"{out} was started with other settings {old['settings']}; "
                                "rerun with the same settings to resume, or choose another -o")
         return
-    check_output(out, prog.input_paths())
+    check_output(out, prog.input_paths(), overwrite=True)  # never into, onto or above its input; writable
+    if out.is_dir() and any(out.iterdir()):
+        raise LibraryError(f"{out} is not empty and holds no library; choose a new -o (the same -o again resumes "
+                           "a library)")
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / SETTINGS, record)
 
