@@ -1,5 +1,6 @@
 """The base errors of puzzlekit: each says what is wrong, where, and how to fix it. Modules add their own
 subclasses of PuzzlekitError (DataError, PassError, QuantError, ExportError)."""
+from pathlib import Path
 
 
 class PuzzlekitError(Exception):
@@ -20,3 +21,13 @@ class RewriteError(PuzzlekitError):
 
 class TraceError(PuzzlekitError):
     """A module could not be traced into a Program, or the Program disagrees with it."""
+
+
+def read_text(path, what: str, error: type[PuzzlekitError] = PuzzlekitError) -> str:
+    """A user's text file (a pipeline, a target, a grid) as text, or `error` naming the file and why not."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except OSError as e:
+        raise error(f"cannot read the {what} {path} ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise error(f"the {what} {path} is not UTF-8 text (byte {e.start})") from None

@@ -13,6 +13,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 
 import tomllib
@@ -20,6 +21,7 @@ import torch
 
 from ..errors import PuzzlekitError
 from ..ir import Program
+from ..ir.quant.recipe import RECIPES, get_recipe
 from .targets import Target, get_target
 
 BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16,  # NVFP4: E4M3 scale per 16
@@ -51,11 +53,8 @@ class Scenario:
         for k in ("kv_dtype", "ssm_dtype", "act_dtype"):
             if getattr(self, k) not in BYTES:
                 raise PuzzlekitError(f"scenario {self.name}: {k}={getattr(self, k)!r}; one of {sorted(BYTES)}")
-        if self.recipe:
-            from ..ir.quant.recipe import RECIPES
-
-            if self.recipe not in RECIPES:
-                raise PuzzlekitError(f"scenario {self.name}: unknown recipe {self.recipe!r}; known: {sorted(RECIPES)}")
+        if self.recipe and self.recipe not in RECIPES:
+            raise PuzzlekitError(f"scenario {self.name}: unknown recipe {self.recipe!r}; known: {sorted(RECIPES)}")
         if self.input_len < 1 or self.output_len < 0 or not 0 <= self.memory_reserve < 1:
             raise PuzzlekitError(f"scenario {self.name}: lengths must be positive and memory_reserve in [0, 1)")
         for k in ("rate_floor", "context", "concurrency", "gpus"):
@@ -86,8 +85,6 @@ def precision_of(path: str, param: str, op, recipe: str = "") -> str:
     if param in op.fp32_params():
         return "fp32"
     if recipe:
-        from ..ir.quant.recipe import get_recipe
-
         fmt = get_recipe(recipe).format_of(path, param)
     else:
         fmt = dict(op.quant).get(param, "none")
@@ -293,6 +290,7 @@ class CostModel:
         self.act_b, self.kv_b, self.ssm_b = BYTES[s.act_dtype], BYTES[s.kv_dtype], BYTES[s.ssm_dtype]
         self._formats: dict = {}
         self._node_memo: dict = {}
+        self._recipe_paths = [r.path for r in get_recipe(scenario.recipe).rules] if scenario.recipe else []
         self.precisions = {n.path: self._precisions(n.path, n.op) for n in prog.nodes}
         self._memo: dict = {}  # identical layers (same spec, precisions, routing) are priced once per shape
 
@@ -325,12 +323,7 @@ class CostModel:
     def _path_signature(self, path: str) -> tuple:
         """Which of the recipe's path patterns `path` matches: paths that match the same ones get the same
         precisions for every parameter."""
-        from fnmatch import fnmatch
-
-        from ..ir.quant.recipe import get_recipe
-
-        return tuple(fnmatch(path, r.path) for r in get_recipe(self.scenario.recipe).rules) \
-            if self.scenario.recipe else ()
+        return tuple(fnmatch(path, glob) for glob in self._recipe_paths)
 
     def _node_costs(self, path: str, op, batch: int, c: int, routing) -> dict:
         prec = self._precisions(path, op)

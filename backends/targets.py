@@ -13,7 +13,7 @@ from pathlib import Path
 
 import tomllib
 
-from ..errors import PuzzlekitError
+from ..errors import PuzzlekitError, read_text
 
 TB = 1e12
 GB = 1e9
@@ -120,12 +120,7 @@ def load_target_file(path: str | Path) -> Target:
 
     Every field is checked for its type and range, naming the field, before anything is priced."""
     path = Path(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as e:
-        raise PuzzlekitError(f"{path}: cannot read the target file ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise PuzzlekitError(f"{path}: the target file is not UTF-8 text (byte {e.start})") from None
+    text = read_text(path, "target file")
     try:
         raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except ValueError as e:

@@ -14,6 +14,7 @@ import re
 import typing
 from pathlib import Path
 
+from ..errors import read_text
 from .core import PASSES, Pass, PassError
 
 _BARE = re.compile(r"[A-Za-z0-9_.+\-/:*@]+")
@@ -239,12 +240,7 @@ def resolve_pipeline(arg: str) -> str:
                 continue
         except (OSError, ValueError):  # not a usable path (e.g. pipeline text longer than a file name)
             continue
-        try:
-            text = f.read_bytes().decode("utf-8")
-        except OSError as e:
-            raise PassError(f"cannot read the pipeline file {f}: {e.strerror or e}") from None
-        except UnicodeDecodeError as e:
-            raise PassError(f"the pipeline file {f} is not UTF-8 text (byte {e.start})") from None
+        text = read_text(f, "pipeline file", PassError)
         lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
         return " ".join(ln for ln in lines if ln)
     return arg

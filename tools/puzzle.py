@@ -68,9 +68,8 @@ def run_plan(args) -> int:
     from .cli import UsageError, _emit
 
     lib = Library.open(args.library)
-    source = args.parent or lib.manifest["parent"]["source"]
-    parent = ir.load(source)
-    lib = Library.open(args.library, parent)
+    parent = ir.load(args.parent or lib.manifest["parent"]["source"])
+    lib.check(parent)
     scenarios = args.scenario or ["decode-heavy"]
     if len(scenarios) not in (1, len(args.target)):
         raise UsageError(f"give one --scenario for all targets or one per --target ({len(args.target)})")

@@ -14,6 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...errors import read_text
 from ...ir.ops import OPS, OpSpec
 from ..core import PassError
 
@@ -45,10 +46,8 @@ def load_grid(path=None) -> dict:
     if not path.exists() and DEFAULT_GRID.with_name(f"{path}-grid.toml").exists():
         path = DEFAULT_GRID.with_name(f"{path}-grid.toml")
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise GridError(f"grid {path}: cannot read it ({e.strerror})") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raw = tomllib.loads(read_text(path, "grid", GridError))
+    except tomllib.TOMLDecodeError as e:
         raise GridError(f"grid {path}: not valid TOML ({e})") from None
     kinds = sorted(k for k, c in OPS.items() if c.is_block and k not in REPLACEMENTS)
     grid = {}

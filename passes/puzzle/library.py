@@ -117,11 +117,18 @@ class Library:
             raise LibraryError(f"{path / MANIFEST}: cannot read it ({e})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise LibraryError(f"{path / MANIFEST} is not a {FORMAT} manifest")
-        if parent is not None and manifest["parent"]["hash"] != parent_hash(parent):
-            raise LibraryError(f"library {path} was built for another parent ({manifest['parent']['source']}, "
-                               f"hash {manifest['parent']['hash'][:12]}), not this model (hash "
-                               f"{parent_hash(parent)[:12]}); build a library for it with `puzzlekit library`")
-        return cls(path, manifest)
+        lib = cls(path, manifest)
+        if parent is not None:
+            lib.check(parent)
+        return lib
+
+    def check(self, parent: Program) -> None:
+        """Refuses a parent other than the one the library was built from."""
+        built, given = self.manifest["parent"], parent_hash(parent)
+        if built["hash"] != given:
+            raise LibraryError(f"library {self.path} was built for another parent ({built['source']}, hash "
+                               f"{built['hash'][:12]}), not this model (hash {given[:12]}); build a library for it "
+                               "with `puzzlekit library`")
 
     @property
     def weightless(self) -> bool:

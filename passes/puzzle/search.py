@@ -175,12 +175,13 @@ class Search:
                for r, spec in zip(self.rows, self.specs)]
         return {k: np.array([p[k] for p in per]) for k in per[0]}, fixed
 
-    def problem(self, batch_of: list[int]) -> Priced:
-        """The MIP for the given decode batch per target, with each constraint's bound, fixed part and parent."""
-        pr = Priced()
+    def problem(self, batch_of: list[int], c: Constraints | None = None) -> Priced:
+        """The MIP for the given decode batch per target (under `c`, by default the search's constraints),
+        with each constraint's bound, fixed part and parent figure."""
+        pr, c = Priced(), c or self.c
         for t, (cm, batch) in enumerate(zip(self.models, batch_of)):
             tag = f"{cm.target.name}/{cm.scenario.name}"
-            s, c = cm.scenario, self.c
+            s = cm.scenario
             context = c.context or s.context_len
             opt, fixed = self.costs(cm, batch, context)
             usable = cm.target.memory_bytes * cm.devices * (1 - s.memory_reserve)
@@ -269,16 +270,14 @@ class Search:
         """With a concurrency target out of reach in memory: how many requests do fit (found by solving)."""
         if not self.c.concurrency or not any(b.resource.startswith("memory") for b in e.binding):
             return ""
-        lo, hi, full = 0, self.c.concurrency - 1, self.c
+        lo, hi = 0, self.c.concurrency - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            self.c = dataclasses.replace(full, concurrency=mid)
             try:
-                solve(self.problem(self.batches()[0]).problem)
+                solve(self.problem(self.batches()[0], dataclasses.replace(self.c, concurrency=mid)).problem)
                 lo = mid
             except (Infeasible, TimedOut):
                 hi = mid - 1
-        self.c = full
         return f"\n  {lo} requests fit"
 
     def _plan(self, sol, pr: Priced, batch: int, seconds: float) -> Plan:
