@@ -2,7 +2,7 @@
 progress bar, and atomic checkpoints that make a killed run resume to the same result.
 
 `train` (the default model), blockwise local distillation and global distillation all call `fit`; they
-differ only in the model, the loss of a step and what they save afterwards.
+differ only in the model, the loss of a step, the callbacks and what they save afterwards.
 """
 from __future__ import annotations
 
@@ -54,8 +54,28 @@ class Fit:
     step: int
     resumed_from: int
     seconds: float
-    finished: bool
+    finished: bool  # all steps ran, or a callback stopped the run
     log: list = field(default_factory=list)  # {"step", "lr", loss parts...} per step of this segment
+    stopped: bool = False  # a callback asked to stop
+
+
+def distributed() -> tuple[int, int]:
+    """(rank, world size); joins the torchrun process group (gloo) when launched by torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), world
+
+
+def barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -67,12 +87,16 @@ def save_atomic(obj, path: Path) -> None:
 def fit(model: torch.nn.Module, step_loss: Callable[[int], tuple[torch.Tensor, dict]], schedule: Schedule, *,
         rng: torch.Generator | None = None, state_file: Path | None = None, every: int = 50,
         identity: dict | None = None, desc: str = "train", progress: bool = False,
-        max_seconds: float = 0.0, postfix: Callable[[dict], dict] | None = None) -> Fit:
+        max_seconds: float = 0.0, postfix: Callable[[dict], dict] | None = None, callbacks: list = (),
+        write: bool = True) -> Fit:
     """Trains `model` for `schedule.steps` steps of `step_loss(step) -> (loss, parts)`.
 
-    With `state_file`, the model, optimiser, step and `rng` (the data sampler's generator) are saved
-    atomically every `every` steps and at the end; a later call with the same `identity` (the settings
-    that must not change) resumes from there, and ends where an uninterrupted run would.
+    `schedule` is a `Schedule` or any object with `steps`, `clip`, `lr_at(step)` and `optimizer(model)`.
+    With `state_file`, the model, optimiser, step, `rng` (the data sampler's generator) and the callbacks'
+    state are saved atomically every `every` steps and at the end; a later call with the same `identity`
+    (the settings that must not change) resumes from there, and ends where an uninterrupted run would.
+    After each step every callback's `on_step(step, parts)` runs (e.g. an evaluation); one returning True
+    stops the run. Data-parallel processes all read the state and pass `write` only on rank 0.
     """
     opt = schedule.optimizer(model)
     step = resumed_from = 0
@@ -86,21 +110,27 @@ def fit(model: torch.nn.Module, step_loss: Callable[[int], tuple[torch.Tensor, d
         opt.load_state_dict(st["optimizer"])
         if rng is not None:
             rng.set_state(st["rng"])
+        for cb, cb_state in zip(callbacks, st.get("callbacks", [])):
+            if cb_state is not None:
+                cb.load_state_dict(cb_state)
         step = resumed_from = st["step"]
         earlier = st.get("seconds", 0.0)
     start, log = time.monotonic(), []
     model.train()
-    bar = tqdm(total=schedule.steps, initial=step, desc=desc, disable=not progress, leave=False)
+    bar = tqdm(total=schedule.steps, initial=step, desc=desc, disable=not (progress and write), leave=False)
 
     def save():
         bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
         if bad:  # nothing non-finite is ever saved
             raise TrainingError(f"{desc}: training diverged at step {step}: weights became NaN/inf "
                                 f"({', '.join(bad[:3])}); lower the learning rate (--lr) and start again")
-        save_atomic({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                     "rng": rng.get_state() if rng is not None else None, "identity": identity or {},
-                     "seconds": earlier + time.monotonic() - start}, Path(state_file))
+        if write:
+            save_atomic({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                         "rng": rng.get_state() if rng is not None else None, "identity": identity or {},
+                         "callbacks": [cb.state_dict() if hasattr(cb, "state_dict") else None for cb in callbacks],
+                         "seconds": earlier + time.monotonic() - start}, Path(state_file))
 
+    stopped = False
     while step < schedule.steps:
         lr = schedule.lr_at(step)
         for g in opt.param_groups:
@@ -118,11 +148,13 @@ def fit(model: torch.nn.Module, step_loss: Callable[[int], tuple[torch.Tensor, d
         log.append({"step": step, "lr": lr, **parts})
         bar.update(1)
         bar.set_postfix(postfix(parts) if postfix else {k: f"{v:.4g}" for k, v in parts.items()})
+        stopped = any([bool(cb.on_step(step, parts)) for cb in callbacks])  # every callback runs
         timed_out = max_seconds and time.monotonic() - start > max_seconds
-        if state_file is not None and (step % every == 0 or step == schedule.steps or timed_out):
+        if state_file is not None and (step % every == 0 or step == schedule.steps or timed_out or stopped):
             save()
-        if timed_out:
+        if timed_out or stopped:
             break
     bar.close()
     model.eval()
-    return Fit(step, resumed_from, earlier + time.monotonic() - start, step >= schedule.steps, log)
+    return Fit(step, resumed_from, earlier + time.monotonic() - start, step >= schedule.steps or stopped, log,
+               stopped)

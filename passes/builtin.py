@@ -167,6 +167,11 @@ class Repeat(Pass):
         from .manager import PassManager
 
         manager = am.manager or PassManager(self.body)
-        for _ in range(self.n):
-            manager.run_nested(self.body, prog, am)
+        outer = getattr(am, "round", (1, 1))
+        try:
+            for i in range(self.n):
+                am.round = (i + 1, self.n)  # passes that move toward a target in steps read it (e.g. puzzle)
+                manager.run_nested(self.body, prog, am)
+        finally:
+            am.round = outer
         return Preserved.all()  # the nested passes already invalidated what they changed

@@ -162,6 +162,7 @@ class AnalysisManager:
         self.reports: dict[str, dict] = {}  # what passes measured (e.g. quantize's KL), by pass name
         self.manager = None  # the PassManager running (nested pipelines run through it)
         self.instrument = None
+        self.round = (1, 1)  # (i, n) inside the i-th of n iterations of repeat{n=...}
 
     def get(self, name: str, **options):
         if name not in ANALYSES:

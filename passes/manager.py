@@ -46,10 +46,14 @@ class PassManager:
         for p in passes:
             label = print_pipeline([p])
             start = time.perf_counter()
+            heads = len(prog.find("mtp"))
             try:
                 preserved = p.run(prog, am)
                 if not isinstance(preserved, Preserved):
                     raise PassError(f"returned {type(preserved).__name__}, not Preserved")
+                if len(prog.find("mtp")) < heads and not getattr(p, "drop_mtp", False):
+                    raise PassError("it removed the MTP head; a pass may drop the head only when asked "
+                                    "explicitly (its option drop_mtp=true)")
                 am.invalidate(preserved)
                 if ins.verify_each:
                     verify(prog)

@@ -155,6 +155,8 @@ def _run(args) -> int:
     before = prog.param_counts()
     pm = PassManager(passes, ins)
     pm.run(prog)
+    if int(os.environ.get("RANK", "0")):  # a data-parallel process under torchrun: rank 0 writes the result
+        return 0
     prog.meta["provenance"] = {
         "pipeline": print_pipeline(passes), "versions": _versions(),
         "input": {"path": str(src), "sha256": _file_hashes(src)},

@@ -56,7 +56,11 @@ class BuildLibrary(Pass):
 
 @register("puzzle")
 class Puzzle(Pass):
-    """Choose one library variant per layer that meets a deployment target, and put it in place."""
+    """Choose one library variant per layer that meets a deployment target, and put it in place.
+
+    Inside repeat{n=N}(...), round i moves every constraint i/N of the way from the parent to the target
+    (`schedule`), and rounds after the first search from the current model (see rounds.py); `parent` names
+    the snapshot of the model the library was built from."""
 
     library: str = ""
     target: list[str] = field(default_factory=lambda: ["h100"])
@@ -73,18 +77,39 @@ class Puzzle(Pass):
     uniform: list[str] = field(default_factory=list)
     metric: str = "kl"
     method: str = "mip"
+    parent: str = ""
+    schedule: str = "geometric"
 
     def run(self, prog, am):
+        from ..distill import teacher_program
+        from .rounds import realise_from, rescore
         from .search import Constraints, Search, realise
 
         if not self.library:
             raise PassError("pass 'puzzle' needs library=DIR (build one with the `library` pass or command)")
-        lib = Library.open(self.library, prog)
+        parent = teacher_program(self.parent, am) if self.parent else prog
+        lib = Library.open(self.library, parent)
+        later = parent is not prog and parent_hash(prog) != lib.manifest["parent"]["hash"]
+        i, n = am.round
         c = Constraints(self.speedup, self.decode_ms, self.prefill_s, self.concurrency, self.context,
                         self.max_params, self.max_active, tuple(self.keep), tuple(self.uniform))
-        search = Search(lib, prog, [(t, self.scenario) for t in self.target], self.recipe, self.metric, c)
+        scores = ranks = None
+        if later:  # the options and their scores come from the current model
+            from ...data import load_corpus, sequential_windows
+
+            st = lib.manifest["settings"]
+            corpus = load_corpus(st["data"] or None)
+            ranks = am.get("importance", samples=st["calib_windows"], seq=st["seq"], data=tuple(st["data"]))["layers"]
+            scores = rescore(lib, prog, ranks, sequential_windows(corpus.valid, st["seq"] + 1, limit=st["score_windows"]))
+        search = Search(lib, parent, [(t, self.scenario) for t in self.target], self.recipe, self.metric, c,
+                        scores=scores, fraction=i / n, schedule=self.schedule)
         plan = search.plan(self.method)
-        realise(prog, lib, search.rows_of(plan), weights=not lib.weightless)
+        if later:
+            realise_from(prog, lib, search.rows_of(plan), ranks)
+        else:
+            realise(prog, lib, search.rows_of(plan), weights=not lib.weightless)
         prog.meta["plan"] = plan.to_json()
-        am.reports["puzzle"] = {"predicted": plan.predicted, "parent": plan.parent, "objective": plan.objective}
+        am.reports.setdefault("puzzle", []).append({"round": [i, n], "predicted": plan.predicted, "limits": plan.limits,
+                                                    "parent": plan.parent, "objective": plan.objective,
+                                                    "params": plan.params_total, "rescored": bool(later)})
         return Preserved.none()

@@ -8,7 +8,6 @@ layers are shared out over the ranks (gloo on CPU) and rank 0 writes the manifes
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -19,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ...ir import Program, print_program
 from ...outputs import check_output
+from ...training import barrier, distributed
 from .bld import block_activations, block_module, distill_block, linear_fit, nmse, seed_of
 from .grid import Variant, check_grid, load_grid, variants
 from .importance import compute_importance
@@ -40,25 +40,6 @@ class LibrarySettings:
     bld_tokens: int = 65536  # per variant
     bld_lr: float = 1e-3
     data: list = field(default_factory=list)
-
-
-def _distributed() -> tuple[int, int]:
-    """(rank, world size); joins the torchrun process group (gloo) when launched by torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return dist.get_rank(), world
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
 
 
 def _start(prog: Program, out: Path, settings: LibrarySettings, digest: str) -> None:
@@ -91,14 +72,14 @@ def build_library(prog: Program, out, grid_file=None, settings: LibrarySettings 
     layers = prog.blocks()
     todo = [(i, n, variants(n.op, settings.grid, n.path)) for i, n in enumerate(layers)]
     digest = parent_hash(prog)
-    rank, world = _distributed()
+    rank, world = distributed()
     if rank == 0:
         _start(prog, out, settings, digest)
-    _barrier(world)
+    barrier(world)
     weightless = prog.is_meta
     if not weightless:
         _build_rows(prog, out, settings, [t for t in todo if t[0] % world == rank], progress, importance)
-    _barrier(world)
+    barrier(world)
     if rank == 0:
         rows = []
         for i, n, vs in todo:
@@ -107,7 +88,7 @@ def build_library(prog: Program, out, grid_file=None, settings: LibrarySettings 
                     "parent": {"hash": digest, "source": prog.meta.get("source", ""), "program": print_program(prog)},
                     "settings": asdict(settings), "variants": rows}
         write_json(out / MANIFEST, manifest)
-    _barrier(world)
+    barrier(world)
     return Library.open(out)
 
 

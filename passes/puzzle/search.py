@@ -123,10 +123,19 @@ class Search:
     """The options of a library priced on targets, ready for the MIP and the baselines."""
 
     def __init__(self, lib: Library, parent: Program, targets: list[tuple[str, str]], recipe: str = "",
-                 metric: str = "kl", constraints: Constraints | None = None, provider=None):
+                 metric: str = "kl", constraints: Constraints | None = None, provider=None,
+                 scores: dict | None = None, fraction: float = 1.0, schedule: str = "geometric"):
+        """`scores` ({(layer, id): scores}) restricts the options to those variants, scored anew (a later
+        round of Iterative Puzzle); `fraction` < 1 moves every constraint only that part of the way from the
+        parent's figure to its bound, on a `geometric` or `linear` schedule."""
+        if schedule not in ("geometric", "linear"):
+            raise PassError(f"schedule={schedule!r}: use geometric or linear")
         self.lib, self.parent, self.c = lib, parent, constraints or Constraints()
+        self.fraction, self.schedule = fraction, schedule
         kind_of = {r["layer"]: r["kind"] for r in lib.rows if r["id"] == "parent"}
-        self.rows = [r for r in lib.rows if not (kind_of[r["layer"]] in self.c.keep and r["id"] != "parent")]
+        rows = lib.rows if scores is None else \
+            [{**r, "scores": scores[r["layer"], r["id"]]} for r in lib.rows if (r["layer"], r["id"]) in scores]
+        self.rows = [r for r in rows if not (kind_of[r["layer"]] in self.c.keep and r["id"] != "parent")]
         unknown = [k for k in self.c.keep if k not in kind_of.values()]
         if unknown:
             raise PassError(f"keep={list(unknown)}: no layer of the library is of that kind")
@@ -138,6 +147,11 @@ class Search:
         self.uniform = {u: self._labels(u) for u in self.c.uniform}
         self.models = [CostModel(parent, t, get_scenario(s, recipe=recipe or None), provider=provider)
                        for t, s in targets]
+        if fraction < 1:  # counts move here, bounds in `problem` (they need the parent's figures)
+            base = self.models[0].report().max_concurrency if self.c.concurrency else 0
+            self.c = dataclasses.replace(self.c, speedup=self._move(1.0, self.c.speedup, up=True) if self.c.speedup else 0.0,
+                                         concurrency=math.ceil(self._move(max(base, 1), self.c.concurrency, up=True))
+                                         if self.c.concurrency else 0)
         self.base = [cm.report() for cm in self.models] if self.c.speedup else []
 
     def _scores(self, metric: str) -> tuple[np.ndarray, str]:
@@ -162,8 +176,9 @@ class Search:
                         dtype=object)
 
     # -- costs ----------------------------------------------------------------------------------------------
-    def costs(self, cm: CostModel, batch: int, context: int) -> tuple[dict, dict]:
-        """Per-option costs and the fixed part outside the blocks, for one target at one batch."""
+    def costs(self, cm: CostModel, batch: int, context: int) -> tuple[dict, dict, dict]:
+        """Per-option costs, the fixed part outside the blocks and the parent's blocks' total, for one target
+        at one batch."""
         blocks = {n.path for n in self.parent.blocks()}
         fixed = {"decode_seconds": cm.step_overhead(), "prefill_seconds": cm.step_overhead()}
         for n in self.parent.nodes:
@@ -173,7 +188,10 @@ class Search:
                         fixed[k] = fixed.get(k, 0.0) + v
         per = [cm.node_costs(r["path"], spec, batch, context, cm.routing.get(r["path"]) if r["id"] == "parent" else None)
                for r, spec in zip(self.rows, self.specs)]
-        return {k: np.array([p[k] for p in per]) for k in per[0]}, fixed
+        parent = [cm.node_costs(r["path"], self.lib.spec(r), batch, context, cm.routing.get(r["path"]))
+                  for r in self.parents.values()]
+        return ({k: np.array([p[k] for p in per]) for k in per[0]}, fixed,
+                {k: float(sum(p[k] for p in parent)) for k in per[0]})
 
     def problem(self, batch_of: list[int], c: Constraints | None = None) -> Priced:
         """The MIP for the given decode batch per target (under `c`, by default the search's constraints),
@@ -183,7 +201,7 @@ class Search:
             tag = f"{cm.target.name}/{cm.scenario.name}"
             s = cm.scenario
             context = c.context or s.context_len
-            opt, fixed = self.costs(cm, batch, context)
+            opt, fixed, par = self.costs(cm, batch, context)
             usable = cm.target.memory_bytes * cm.devices * (1 - s.memory_reserve)
             want = {}
             if c.speedup:
@@ -192,36 +210,46 @@ class Search:
                     raise PassError(f"{tag}: the parent itself cannot serve this scenario ({base.infeasible}); "
                                     "a throughput target relative to it is undefined")
                 budget = batch * base.decode_step_seconds / (c.speedup * base.max_batch)
-                want["decode_seconds"] = (opt, fixed, "decode_seconds", min(budget, 1 / s.rate_floor)
+                want["decode_seconds"] = (opt, fixed, par, "decode_seconds", min(budget, 1 / s.rate_floor)
                                           if s.rate_floor else budget)
-                want["memory_bytes"] = self._memory(opt, fixed, batch) + (usable,)
+                want["memory_bytes"] = self._memory(opt, fixed, par, requests=batch) + (usable,)
             if c.concurrency:
-                want["memory_bytes"] = self._memory(opt, fixed, c.concurrency) + (usable,)
+                want["memory_bytes"] = self._memory(opt, fixed, par, requests=c.concurrency) + (usable,)
             if c.decode_ms:
-                o1, f1 = (opt, fixed) if batch == 1 else self.costs(cm, 1, context)
-                want["latency_seconds"] = (o1, f1, "decode_seconds", c.decode_ms / 1e3)
+                o1, f1, p1 = (opt, fixed, par) if batch == 1 else self.costs(cm, 1, context)
+                want["latency_seconds"] = (o1, f1, p1, "decode_seconds", c.decode_ms / 1e3)
             if c.prefill_s:
-                want["prefill_seconds"] = (opt, fixed, "prefill_seconds", c.prefill_s)
+                want["prefill_seconds"] = (opt, fixed, par, "prefill_seconds", c.prefill_s)
             if t == 0:
                 for key, bound in (("params", c.max_params), ("active_params", c.max_active)):
                     if bound:
-                        want[key] = (opt, fixed, key, bound)
-            for key, (o, f, col, bound) in want.items():
+                        want[key] = (opt, fixed, par, key, bound)
+            for key, (o, f, p, col, bound) in want.items():
                 name = f"{key}@{tag}" if len(self.models) > 1 and key not in ("params", "active_params") else key
-                pr.add(name, o[col], f[col], bound, self._parent_total(o[col]) + f[col])
+                parent = p[col] + f[col]
+                if key in self.MOVED:
+                    bound = self._move(parent, bound)
+                pr.add(name, o[col], f[col], bound, parent)
         pr.problem = Problem(self.layer, self.score, pr.costs, {k: pr.bound[k] - pr.fixed[k] for k in pr.costs},
                              uniform=self.uniform)
         return pr
 
-    def _parent_total(self, per_option: np.ndarray) -> float:
-        return float(sum(v for v, r in zip(per_option, self.rows) if r["id"] == "parent"))
+    #: bounds that move from the parent's figure toward the target over the rounds (memory is physical)
+    MOVED = ("latency_seconds", "prefill_seconds", "params", "active_params")
+
+    def _move(self, parent: float, final: float, up: bool = False) -> float:
+        """The bound `fraction` of the way from the parent's figure to the final one (only when the parent
+        does not already meet it): geometric (equal ratios per round) or linear."""
+        f = self.fraction
+        if f >= 1 or (final <= parent if up else final >= parent) or parent <= 0:
+            return final
+        return parent * (final / parent) ** f if self.schedule == "geometric" else parent + f * (final - parent)
 
     @staticmethod
-    def _memory(opt, fixed, requests: int):
-        """Weights plus `requests` requests' state (compared with the memory left after the workspace reserve)."""
-        o = {"memory": opt["weight_bytes"] + requests * opt["state_bytes"]}
-        f = {"memory": fixed["weight_bytes"] + requests * fixed["state_bytes"]}
-        return o, f, "memory"
+    def _memory(*parts, requests: int):
+        """Weights plus `requests` requests' state (compared with the memory left after the workspace reserve),
+        for each of the options, the fixed part and the parent."""
+        return (*({"memory": p["weight_bytes"] + requests * p["state_bytes"]} for p in parts), "memory")
 
     # -- solving --------------------------------------------------------------------------------------------
     def batches(self) -> list[list[int]]:
@@ -346,7 +374,8 @@ def greedy_choice(search: Search, pr: Priced) -> list[int] | None:
     """From the parent, repeatedly take the single-layer change with the least score added per unit of the
     most violated resource saved, until every constraint holds."""
     score, p = search.score, pr.problem
-    choice = np.array([next(i for i in m if search.rows[i]["id"] == "parent") for m in p.members])
+    choice = np.array([next((i for i in m if search.rows[i]["id"] == "parent"), min(m, key=lambda i: score[i]))
+                       for m in p.members])  # the parent, or in a later round the least damaging option
     while not meets(pr, choice):
         over = {k: pr.costs[k][choice].sum() / max(pr.bound[k] - pr.fixed[k], 1e-30) for k in pr.costs}
         k = max(over, key=over.get)

@@ -1,0 +1,52 @@
+"""MTP-head retention: the head must still draft well for the trunk it is attached to.
+
+`mtp-check` measures the mean acceptance length of greedy self-speculative decoding (the MTP head drafts,
+the trunk verifies; see evaluate.acceptance_length) on held-out prompts, for the program and for the
+teacher snapshot, and fails the pipeline when the program's falls more than `tolerance` below the
+teacher's. Recovery is `distill{head_only=true}`: it trains only the head's own weights.
+"""
+from __future__ import annotations
+
+from dataclasses import field
+from typing import ClassVar
+
+from .core import Pass, PassError, Preserved, register
+from .distill import teacher_program
+
+
+def acceptance(prog, prompts, drafts: int, new_tokens: int) -> float:
+    from ..backends.torch import materialize
+    from ..evaluate import acceptance_length
+
+    if not prog.find("mtp"):
+        raise PassError("mtp-check: the model has no MTP head")
+    return acceptance_length(materialize(prog), prompts, drafts, new_tokens)
+
+
+@register("mtp-check")
+class MTPCheck(Pass):
+    """Compare the MTP head's speculative acceptance length with the teacher's; fail past `tolerance`."""
+
+    teacher: str = "teacher"
+    drafts: int = 3
+    tolerance: float = 0.1  # the largest allowed relative drop below the teacher's acceptance length
+    prompts: int = 8
+    prompt_len: int = 64
+    new_tokens: int = 32
+    data: list[str] = field(default_factory=list)
+    minimum: ClassVar[dict] = {"drafts": 1, "tolerance": 0.0, "prompts": 1, "prompt_len": 1, "new_tokens": 1}
+
+    def run(self, prog, am):
+        from ..data import load_corpus, sequential_windows
+
+        prompts = sequential_windows(load_corpus(list(self.data) or None).valid, self.prompt_len, limit=self.prompts)
+        ours = acceptance(prog, prompts, self.drafts, self.new_tokens)
+        theirs = acceptance(teacher_program(self.teacher, am), prompts, self.drafts, self.new_tokens)
+        floor = theirs * (1 - self.tolerance)
+        am.reports.setdefault("mtp-check", []).append(
+            {"acceptance": ours, "teacher_acceptance": theirs, "drafts": self.drafts, "floor": floor})
+        if ours < floor:
+            raise PassError(f"the MTP head's mean acceptance length is {ours:.3f} tokens per step, below the "
+                            f"teacher's {theirs:.3f} by more than tolerance={self.tolerance} (floor {floor:.3f}); "
+                            "recover it with distill{head_only=true,mtp=1.0} before mtp-check")
+        return Preserved.all()

@@ -1,0 +1,76 @@
+"""Iterative Puzzle: a later round searches from the current (pruned, distilled) model, not the parent.
+
+Each layer may keep its current block or shrink further: its options are the library's variants that fit
+within the current block (no axis larger) and the replacements. A kept block keeps its distilled weights;
+a shrunk one is sliced from the current block in the order of importance measured on the current model
+(a replacement takes the library's weights). Every option is scored anew against the current model (the
+replacement scores of a distilled model differ from the parent's), so the search adds the least damage
+to the model as it now is.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...ir import Program
+from ...ir.checkpoint import spec_to_dict
+from ...ir.ops import OpSpec
+from .bld import block_activations, block_module
+from .library import Library, _keep
+from .score import Scorer
+
+
+def within(spec: OpSpec, current: OpSpec) -> bool:
+    """Whether `spec` is `current` or a shrink of it (replacements: noop fits in anything, linear in any
+    block but noop)."""
+    if spec.kind != current.kind:
+        return spec.kind == "noop" or (spec.kind == "linear" and current.kind != "noop")
+    axes = current.axes()
+    return all(spec.axes()[a].size <= ax.size for a, ax in axes.items()) and \
+        spec.replace(**{a: ax.size for a, ax in axes.items()}) == current
+
+
+def candidates(lib: Library, prog: Program) -> list[dict]:
+    """The library rows each layer of `prog` may take now."""
+    blocks = prog.blocks()
+    return [r for r in lib.rows if within(lib.spec(r), blocks[r["layer"]].op)]
+
+
+def candidate_weights(lib: Library, row: dict, prog: Program, ranks: dict) -> dict[str, torch.Tensor]:
+    """A candidate's weights: the current block's (unchanged, or sliced by the current importance ranks),
+    or the library's for a replacement the current block is not."""
+    node = prog.blocks()[row["layer"]]
+    spec = lib.spec(row)
+    if spec_to_dict(spec) == spec_to_dict(node.op):
+        return {k: v.detach().clone() for k, v in prog.node_weights(node).items()}
+    if spec.kind != node.op.kind:
+        return lib.weights(row)
+    cur, w = node.op, {k: v.float() for k, v in prog.node_weights(node).items()}
+    for axis, n in row["steps"]:
+        ax = cur.axes()[axis]
+        if n < ax.size:
+            cur, w = cur.shrink(axis, _keep(ax, ranks.get(node.path, {}).get(axis), n), w)
+    return w
+
+
+def rescore(lib: Library, prog: Program, ranks: dict, windows: torch.Tensor) -> dict[tuple, dict]:
+    """{(layer, id): scores} of every candidate, each put alone into the current model, on `windows`."""
+    from ...backends.torch import materialize
+
+    model = materialize(prog, dtype=torch.float32)
+    scorer = Scorer(model, windows, block_activations(model, windows[:, :-1]).inputs)
+    out = {}
+    for r in candidates(lib, prog):
+        block = block_module(lib.spec(r), candidate_weights(lib, r, prog, ranks))
+        out[r["layer"], r["id"]] = scorer.score(r["layer"], block)
+    return out
+
+
+def realise_from(prog: Program, lib: Library, rows: list[dict], ranks: dict) -> Program:
+    """Rewrites each layer of `prog` whose chosen variant differs from its current block."""
+    blocks = prog.blocks()
+    for r in rows:
+        node, spec = blocks[r["layer"]], lib.spec(r)
+        if spec_to_dict(spec) != spec_to_dict(node.op):
+            prog.rewrite(node, op=spec, weights=candidate_weights(lib, r, prog, ranks))
+            prog.meta.get("routing", {}).pop(node.path, None)
+    return prog

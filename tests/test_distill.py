@@ -1,0 +1,207 @@
+"""Distillation (losses, hooks, resume after a kill, data-parallel), MTP retention and Iterative Puzzle, on the
+built-in model with small budgets."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from puzzlekit import ir
+from puzzlekit.backends.torch import materialize
+from puzzlekit.passes import AnalysisManager, PassError, PassManager, register
+from puzzlekit.passes.core import Pass, Preserved
+from puzzlekit.passes.distill import LOSSES, Batch, Distill, _capture, _outputs, distill, register_loss
+from puzzlekit.tools.default_model import model_path
+
+SMALL = "steps=6,batch=4,seq=32,eval_every=3,eval_windows=2,warmup=1,lr=1e-3"
+
+
+@pytest.fixture(scope="module")
+def parent():
+    return ir.load(model_path(None))
+
+
+def _pruned(parent):
+    """The built-in model with every MoE routed to one expert and one Mamba layer dropped: a child to recover."""
+    prog = parent.copy()
+    PassManager("set-topk{k=1},drop-blocks{layers=[2]}").run(prog)
+    return prog
+
+
+def test_identical_student_and_teacher_give_zero_kl_cos_and_mtp_losses(parent):
+    model = materialize(parent)
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    seen, undo = _capture(model)
+    out = _outputs(model, seen, ids[:, :-1])
+    undo()
+    assert len(out.hidden) == len(parent.blocks())
+    b = Batch(ids, out, out, temperature=2.0)
+    for name in ("kl", "cos", "mtp"):
+        assert abs(LOSSES[name](b).item()) < 1e-6, name
+    assert LOSSES["lm"](b).item() > 0.5  # the text itself is not predicted perfectly
+
+
+def test_distillation_lowers_the_childs_kl_to_its_teacher(parent):
+    child = _pruned(parent)
+    report = distill(child, parent, Distill(steps=20, batch=4, seq=64, eval_every=10, eval_windows=4, lr=1e-3))
+    assert report["steps"] == 20 and len(report["log"]) == 20
+    assert report["after"]["kl"] < 0.8 * report["before"]["kl"], report
+    assert set(report["log"][0]) >= {"kl", "cos", "mtp", "lr"}
+
+
+def test_a_registered_loss_term_is_called_and_changes_the_update(parent):
+    calls = []
+
+    @register_loss("test-pull-embedding")
+    def pull(b: Batch):  # grows with the logits' scale: a term the built-ins do not have
+        calls.append(b.ids.shape)
+        return b.student.logits.float().pow(2).mean()
+
+    try:
+        a, b = _pruned(parent), _pruned(parent)
+        distill(a, parent, Distill(steps=2, batch=2, seq=16, eval_windows=1, keep_best=False))
+        assert not calls
+        distill(b, parent, Distill(steps=2, batch=2, seq=16, eval_windows=1, keep_best=False,
+                                   loss=["test-pull-embedding:10"]))
+        assert len(calls) == 2 and calls[0] == (2, 17)
+        head = next(n for n in a.weights.names() if n.endswith("lm_head.weight"))
+        assert not torch.allclose(a.weights.get(head), b.weights.get(head))
+    finally:
+        LOSSES.pop("test-pull-embedding")
+
+
+def test_unknown_hooks_are_refused_with_the_registered_names(parent):
+    am = AnalysisManager(parent.copy())
+    am.snapshots["teacher"] = parent
+    for opts, match in (({"loss": ["nope"]}, "unknown loss term.*registered: cos, kl, lm, mtp"),
+                        ({"source": "nope"}, "unknown data source 'nope'"),
+                        ({"optimizer": "nope"}, "unknown optimizer 'nope'"),
+                        ({"callbacks": ["nope"]}, "unknown callback 'nope'"),
+                        ({"teacher": "missing"}, "neither a snapshot")):
+        with pytest.raises(PassError, match=match):
+            Distill(steps=1, batch=2, seq=16, eval_windows=1, **opts).run(am.prog, am)
+
+
+def _run_cli(args, **kw):
+    return subprocess.run([sys.executable, "-m", "puzzlekit.tools", *args], capture_output=True, text=True, **kw)
+
+
+def _step(f: Path) -> int:
+    try:
+        return torch.load(f, weights_only=False)["step"]
+    except Exception:  # not written yet, or being replaced
+        return 0
+
+
+PIPE = "snapshot{name=teacher},set-topk{k=1},distill{steps=12,batch=4,seq=32,eval_every=4,eval_windows=2," \
+       "checkpoint_every=2,state=%s}"
+
+
+def test_a_killed_distill_resumes_to_the_uninterrupted_result(tmp_path):
+    whole = _run_cli(["run", "-p", PIPE % (tmp_path / "s1"), "-o", str(tmp_path / "whole"), "--json"])
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    state = tmp_path / "s2"
+    cmd = [sys.executable, "-m", "puzzlekit.tools", "run", "-p", PIPE % state, "-o", str(tmp_path / "killed")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while _step(state / "distill_state.pt") < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = _step(state / "distill_state.pt")
+    assert 2 <= saved < 12, f"the run was not interrupted mid-way (saved step {saved})"
+    again = _run_cli(["run", "-p", PIPE % state, "-o", str(tmp_path / "killed")])
+    assert again.returncode == 0, again.stderr[-2000:]
+    a = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    b = load_file(str(tmp_path / "killed" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+    """torchrun, 2 processes (gloo): each takes half of the same global batch; DDP averages the gradients."""
+    pipe = "snapshot{name=teacher},set-topk{k=1},distill{steps=3,batch=4,seq=32,eval_windows=1,keep_best=false}"
+    one = _run_cli(["run", "-p", pipe, "-o", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-2000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          "29531", "-m", "puzzlekit.tools", "run", "-p", pipe, "-o", str(tmp_path / "two")],
+                         capture_output=True, text=True, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = load_file(str(tmp_path / "one" / "model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "model.safetensors"))
+    start = load_file(str(model_path(None) / "model.safetensors"))
+    moved = 0
+    for k in a:
+        scale = (a[k] - start[k]).abs().max().item()
+        assert (a[k] - b[k]).abs().max().item() <= 1e-4 * max(scale, a[k].abs().max().item()) + 1e-7, k
+        moved += scale > 0
+    assert moved > 10  # the runs trained (the comparison is not between two untouched models)
+
+
+def test_mtp_check_passes_the_parent_and_fails_a_scrambled_head(parent):
+    ok = PassManager("snapshot{name=teacher},mtp-check{prompts=2,new_tokens=12}").run(parent.copy())
+    rep = ok.reports["mtp-check"][0]
+    assert rep["acceptance"] == rep["teacher_acceptance"] > 1.0
+
+    @register("test-scramble-mtp")
+    class Scramble(Pass):
+        def run(self, prog, am):
+            g = torch.Generator().manual_seed(0)
+            for name in prog.weights.names():
+                if name.startswith("mtp.") and name.endswith("proj.weight"):
+                    t = prog.weights.get(name)
+                    prog.weights.set(name, t[torch.randperm(t.shape[0], generator=g)])
+            return Preserved.structure_only()
+
+    with pytest.raises(PassError, match="acceptance length.*below the teacher"):
+        PassManager("snapshot{name=teacher},test-scramble-mtp,mtp-check{prompts=2,new_tokens=12}").run(parent.copy())
+
+
+def test_a_pass_that_drops_the_mtp_head_must_say_so(parent):
+    @register("test-drop-mtp")
+    class DropMTP(Pass):
+        drop_mtp: bool = False
+
+        def run(self, prog, am):
+            prog.nodes = [n for n in prog.nodes if n.op.kind != "mtp"]
+            prog.outputs = prog.outputs[:1]
+            return Preserved.none()
+
+    with pytest.raises(PassError, match="removed the MTP head.*drop_mtp=true"):
+        PassManager("test-drop-mtp").run(parent.copy())
+    prog = parent.copy()
+    PassManager("test-drop-mtp{drop_mtp=true}").run(prog)
+    assert not prog.find("mtp")
+
+
+def test_head_only_recovery_trains_only_the_mtp_heads_own_weights(parent):
+    child = _pruned(parent)
+    before = {k: child.weights.get(k).clone() for k in child.weights.names()}
+    distill(child, parent, Distill(steps=3, batch=2, seq=32, eval_windows=1, head_only=True, keep_best=False))
+    changed = {k for k in before if not torch.equal(before[k], child.weights.get(k))}
+    assert changed and all(k.startswith("mtp.") for k in changed), sorted(changed)[:5]
+
+
+def test_the_readme_hooks_example_runs():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"<!-- hooks-example -->\s*```python\n(.*?)```", text, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 20
+    from puzzlekit.passes import distill as d
+    before = (dict(d.LOSSES), dict(d.DATA), dict(d.OPTIMIZERS), dict(d.CALLBACKS))
+    try:
+        exec(compile(code, "README.md", "exec"), {})
+    finally:
+        for table, old in zip((d.LOSSES, d.DATA, d.OPTIMIZERS, d.CALLBACKS), before):
+            table.clear()
+            table.update(old)
