@@ -64,3 +64,36 @@ def make_ids():
 def ids() -> torch.Tensor:
     """Token ids [2, 11] (11 is not a multiple of the Mamba chunk 4)."""
     return example_ids()
+
+
+SMALL_GRID = """
+[mamba2]
+heads = [0.5]
+[moe]
+experts = [1.0, 0.5]
+top_k = [1.0, 0.5]
+[attention]
+q_heads = [0.5]
+[mlp]
+d_ff = [0.5]
+[replacements]
+kinds = ["noop", "linear"]
+"""
+
+
+@pytest.fixture(scope="session")
+def small_grid_file(tmp_path_factory):
+    """A reduced Puzzle grid (3-5 variants per layer)."""
+    f = tmp_path_factory.mktemp("grid") / "small.toml"
+    f.write_text(SMALL_GRID)
+    return f
+
+
+@pytest.fixture(scope="session")
+def small_library(small_grid_file, tmp_path_factory):
+    """The built-in model's block library on the small grid with small budgets, built once per session."""
+    from puzzlekit.passes.puzzle import LibrarySettings, build_library
+    from puzzlekit.tools.default_model import model_path
+
+    settings = LibrarySettings(calib_windows=8, score_windows=2, seq=64, bld_tokens=4096)
+    return build_library(ir.load(model_path(None)), tmp_path_factory.mktemp("lib") / "lib", small_grid_file, settings)

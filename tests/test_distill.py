@@ -205,3 +205,24 @@ def test_the_readme_hooks_example_runs():
         for table, old in zip((d.LOSSES, d.DATA, d.OPTIMIZERS, d.CALLBACKS), before):
             table.clear()
             table.update(old)
+
+
+def test_iterative_puzzle_moves_the_bound_in_rounds_and_rescores_from_the_current_model(small_library, tmp_path):
+    """repeat{n=2}: round 1 meets the geometric midpoint of the parameter bound, round 2 the bound itself,
+    choosing only shrinks of round 1's blocks, scored on the distilled round-1 model."""
+    prog = ir.load(model_path(None))
+    total = prog.param_counts()["total"]
+    bound = 0.8 * total
+    pipe = (f"snapshot{{name=teacher}},repeat{{n=2}}(puzzle{{library={small_library.path},max_params={bound},"
+            f"parent=teacher}},distill{{{SMALL},state={tmp_path / 'state'}}})")
+    am = PassManager(pipe).run(prog)
+    first, second = am.reports["puzzle"]
+    assert first["round"] == [1, 2] and second["round"] == [2, 2]
+    assert first["limits"]["params"] == pytest.approx((first["parent"]["params"] * bound) ** 0.5, rel=1e-9)
+    assert second["limits"]["params"] == pytest.approx(bound, rel=1e-9)
+    assert first["params"] <= first["limits"]["params"] and prog.param_counts()["total"] <= bound
+    assert not first["rescored"] and second["rescored"]
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["round1", "round2"]
+    assert len(am.reports["distill"]) == 2
+    ir.verify(prog)
+    assert prog.find("mtp")

@@ -25,21 +25,6 @@ from puzzlekit.passes.puzzle.score import Scorer
 from puzzlekit.tools.cli import main
 from puzzlekit.tools.default_model import model_path
 
-SMALL_GRID = """
-[mamba2]
-heads = [0.5]
-[moe]
-experts = [1.0, 0.5]
-top_k = [1.0, 0.5]
-[attention]
-q_heads = [0.5]
-[mlp]
-d_ff = [0.5]
-[replacements]
-kinds = ["noop", "linear"]
-"""
-SETTINGS = dict(calib_windows=8, score_windows=2, seq=64, bld_tokens=4096)
-CLI_SETTINGS = ["--calib-windows", "8", "--score-windows", "2", "--seq", "64", "--bld-tokens", "4096"]
 SUPER = Path(__file__).resolve().parents[2] / "shared" / "configs" / "nemotron-3-super-120b-a12b.config.json"
 
 
@@ -49,15 +34,17 @@ def parent():
 
 
 @pytest.fixture(scope="module")
-def grid_file(tmp_path_factory):
-    f = tmp_path_factory.mktemp("grid") / "small.toml"
-    f.write_text(SMALL_GRID)
-    return f
+def grid_file(small_grid_file):
+    return small_grid_file
 
 
 @pytest.fixture(scope="module")
-def lib(parent, grid_file, tmp_path_factory):
-    return build_library(parent, tmp_path_factory.mktemp("lib") / "lib", grid_file, LibrarySettings(**SETTINGS))
+def lib(small_library):
+    return small_library
+
+
+SETTINGS = dict(calib_windows=8, score_windows=2, seq=64, bld_tokens=4096)  # the small library's (conftest)
+CLI_SETTINGS = [x for k, v in SETTINGS.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def test_every_layer_has_its_variants(lib, parent):

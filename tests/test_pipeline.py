@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from puzzlekit.passes import (PASSES, Pass, PassError, PipelineSyntaxError, Preserved, parse_pipeline,
                               print_pipeline, register, resolve_pipeline)
 
+from puzzlekit.passes.pipeline import PIPELINES_DIR
 
 class Mode(enum.Enum):
     amax = 1
@@ -124,3 +125,9 @@ def test_function_passes_and_duplicate_names():
     assert print_pipeline([p]) == "test-fn{factor=3.0,names=[a,b]}"
     with pytest.raises(PassError, match="already registered"):
         register("verify")(scale)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PIPELINES_DIR.glob("*.pipeline")))
+def test_every_shipped_pipeline_parses_and_round_trips(name):
+    passes = parse_pipeline(resolve_pipeline(name))
+    assert parse_pipeline(print_pipeline(passes)) == passes

@@ -111,5 +111,7 @@ class Puzzle(Pass):
         prog.meta["plan"] = plan.to_json()
         am.reports.setdefault("puzzle", []).append({"round": [i, n], "predicted": plan.predicted, "limits": plan.limits,
                                                     "parent": plan.parent, "objective": plan.objective,
-                                                    "params": plan.params_total, "rescored": bool(later)})
+                                                    "params": plan.params_total, "rescored": bool(later),
+                                                    "batch": plan.batch,
+                                                    "parent_batch": search.base[0].max_batch if search.base else 1})
         return Preserved.none()
