@@ -100,7 +100,7 @@ def fit(model: torch.nn.Module, step_loss: Callable[[int], tuple[torch.Tensor, d
     """
     opt = schedule.optimizer(model)
     step = resumed_from = 0
-    earlier = 0.0
+    earlier, stopped = 0.0, False
     if state_file is not None and Path(state_file).exists():
         st = torch.load(state_file, weights_only=True)
         if st.get("identity") != (identity or {}):
@@ -114,7 +114,7 @@ def fit(model: torch.nn.Module, step_loss: Callable[[int], tuple[torch.Tensor, d
             if cb_state is not None:
                 cb.load_state_dict(cb_state)
         step = resumed_from = st["step"]
-        earlier = st.get("seconds", 0.0)
+        earlier, stopped = st.get("seconds", 0.0), st.get("stopped", False)
     start, log = time.monotonic(), []
     model.train()
     bar = tqdm(total=schedule.steps, initial=step, desc=desc, disable=not (progress and write), leave=False)
@@ -128,10 +128,9 @@ def fit(model: torch.nn.Module, step_loss: Callable[[int], tuple[torch.Tensor, d
             save_atomic({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                          "rng": rng.get_state() if rng is not None else None, "identity": identity or {},
                          "callbacks": [cb.state_dict() if hasattr(cb, "state_dict") else None for cb in callbacks],
-                         "seconds": earlier + time.monotonic() - start}, Path(state_file))
+                         "seconds": earlier + time.monotonic() - start, "stopped": stopped}, Path(state_file))
 
-    stopped = False
-    while step < schedule.steps:
+    while step < schedule.steps and not stopped:  # a run a callback stopped stays stopped when resumed
         lr = schedule.lr_at(step)
         for g in opt.param_groups:
             g["lr"] = lr

@@ -295,7 +295,7 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
     before = {**ev.measure(), "bits_per_byte": bits_per_byte(student, source.held_out)}
     ev.keep({"step": 0, **before})  # the starting point competes too: distillation must earn its keep
     identity = {**d.options(), "callbacks": list(d.callbacks), "student": parent_hash(prog),
-                "teacher": parent_hash(teacher_prog), "world": world}
+                "teacher": parent_hash(teacher_prog)}  # not the process count: the global batch is the same
     identity.pop("eval_windows", None)
     try:
         run = fit(student, step_loss, schedule, rng=gen, every=d.checkpoint_every, identity=identity,
@@ -310,9 +310,9 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
     for name, t in student.state_dict().items():
         prog.weights.set(name, t.detach().clone().to(prog.weights.get(name).dtype))
     after["bits_per_byte"] = bits_per_byte(student, source.held_out)
-    return {"teacher_bits_per_byte": bits_per_byte(teacher, source.held_out), "steps": run.step, "resumed_from": run.resumed_from, "stopped": run.stopped, "terms": terms,
-            "before": before, "after": after, "evals": ev.evals, "best": ev.best, "log": run.log,
-            "seconds": round(run.seconds, 2)}
+    return {"steps": run.step, "resumed_from": run.resumed_from, "stopped": run.stopped, "terms": terms,
+            "before": before, "after": after, "teacher_bits_per_byte": bits_per_byte(teacher, source.held_out),
+            "evals": ev.evals, "best": ev.best, "log": run.log, "seconds": round(run.seconds, 2)}
 
 
 @register("distill")

@@ -79,6 +79,35 @@ def test_a_registered_loss_term_is_called_and_changes_the_update(parent):
         LOSSES.pop("test-pull-embedding")
 
 
+def test_callbacks_see_every_step_and_evaluation_and_can_stop_the_run(parent, tmp_path):
+    from puzzlekit.passes.distill import CALLBACKS, register_callback
+
+    seen = []
+
+    @register_callback("test-stop-at-4")
+    class StopAt4:
+        def __init__(self, settings):
+            assert settings.eval_every == 2
+
+        def on_step(self, step, losses):
+            seen.append(("step", step, sorted(losses)))
+
+        def on_eval(self, step, metrics):
+            seen.append(("eval", step, sorted(metrics)))
+            return step >= 4
+
+    try:
+        settings = Distill(steps=10, batch=2, seq=16, eval_every=2, eval_windows=1, callbacks=["test-stop-at-4"])
+        report = distill(_pruned(parent), parent, settings, state_dir=tmp_path)
+        assert report["steps"] == 4 and report["stopped"]
+        assert [s[:2] for s in seen] == [("step", 1), ("step", 2), ("eval", 2), ("step", 3), ("step", 4), ("eval", 4)]
+        assert seen[0][2] == ["cos", "kl", "mtp"] and "top1_agreement" in seen[2][2]
+        again = distill(_pruned(parent), parent, settings, state_dir=tmp_path)  # a stopped run stays stopped
+        assert again["steps"] == 4 and again["resumed_from"] == 4
+    finally:
+        CALLBACKS.pop("test-stop-at-4")
+
+
 def test_unknown_hooks_are_refused_with_the_registered_names(parent):
     am = AnalysisManager(parent.copy())
     am.snapshots["teacher"] = parent
