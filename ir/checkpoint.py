@@ -11,15 +11,14 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from ..outputs import staged_dir
-from .ops import MLP, MTP, OPS, Attention, Embed, LMHead, Mamba2, MoE, Norm, OpSpec
+from .ops import MTP, OPS, Embed, LMHead, Norm, OpSpec
 from .ops.base import QUANT_FORMATS
 from .program import Node, Program
+from .hf_fields import (MAX_LAYERS, check_fields, check_supported, kinds_of, need, short, spec_of,
+                        too_many_layers)
 from .verifier import problems
 from .weights import WeightStore, lazy_tensors, loads_strict
 
-#: layers_block_type spellings (old and new transformers) -> op kind
-LAYER_TYPES = {"mamba": "mamba2", "linear_attention": "mamba2", "M": "mamba2", "moe": "moe", "E": "moe",
-               "attention": "attention", "full_attention": "attention", "*": "attention", "mlp": "mlp", "-": "mlp"}
 FORMAT = "nemotron_h_puzzle"
 INDEX = "model.safetensors.index.json"
 
@@ -41,122 +40,11 @@ def assemble(embed: Embed, blocks: list[OpSpec], norm: Norm, head: LMHead, mtp: 
 
 
 # -- config -> specs ---------------------------------------------------------------------------------
-#: Sanity bounds, checked before any per-layer or per-expert list is built and before anything is allocated,
-#: so that a wrong size field fails in milliseconds. Nemotron-3 Super: 88 layers, ~42k tensors, 1.2e11
-#: parameters, largest tensor 5.4e8 elements.
-MAX_LAYERS = 10_000
+#: Sanity bounds, checked before anything is allocated, so that a wrong size field fails in milliseconds.
+#: Nemotron-3 Super: ~42k tensors, 1.2e11 parameters, largest tensor 5.4e8 elements.
 MAX_TENSORS = 1_000_000
 MAX_TENSOR_ELEMENTS = 2**40
 MAX_PARAMS = 10**13
-
-_INT, _NUM, _BOOL, _STR = "a non-negative integer", "a finite number", "true or false", "a string"
-_LAYOUT, _LIST, _OBJECT = "a string or a list of strings", "a list of objects", "an object"
-#: JSON types of the config fields puzzlekit reads; null means "not set" (the default applies)
-FIELD_TYPES = {
-    **dict.fromkeys(("hidden_size", "vocab_size", "num_hidden_layers", "mamba_num_heads", "mamba_head_dim",
-                     "ssm_state_size", "n_groups", "conv_kernel", "chunk_size", "n_routed_experts",
-                     "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
-                     "moe_latent_size", "n_shared_experts", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "num_nextn_predict_layers", "n_group", "topk_group"), _INT),
-    **dict.fromkeys(("layer_norm_epsilon", "time_step_min", "routed_scaling_factor"), _NUM),
-    **dict.fromkeys(("tie_word_embeddings", "use_conv_bias", "norm_topk_prob", "attention_bias", "mlp_bias",
-                     "use_bias", "mamba_proj_bias"), _BOOL),
-    **dict.fromkeys(("dtype", "torch_dtype", "mamba_hidden_act", "mlp_hidden_act"), _STR),
-    **dict.fromkeys(("hybrid_override_pattern", "layers_block_type", "mtp_hybrid_override_pattern",
-                     "mtp_layers_block_type"), _LAYOUT),
-    "block_configs": _LIST, "mtp": _OBJECT,
-}
-_POSITIVE = ("layer_norm_epsilon", "time_step_min")  # also > 0
-
-
-def _finite(v) -> bool:
-    try:
-        return type(v) in (int, float) and math.isfinite(v)
-    except OverflowError:  # an int too large for a float
-        return False
-
-
-_IS = {_INT: lambda v: type(v) is int and v >= 0, _NUM: _finite, _BOOL: lambda v: type(v) is bool,
-       _STR: lambda v: type(v) is str, _LAYOUT: lambda v: type(v) in (str, list),
-       _LIST: lambda v: type(v) is list, _OBJECT: lambda v: type(v) is dict}
-
-
-def _short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
-
-
-def _check_fields(cfg: dict, src: Path) -> None:
-    """Every field puzzlekit reads has its JSON type and range, so no TypeError surfaces later naming nothing."""
-    for k, want in FIELD_TYPES.items():
-        v = cfg.get(k)
-        if v is not None and not _IS[want](v):
-            raise CheckpointError(f"{src}: config field {k!r} must be {want}, got {_short(v)}; fix it in the config")
-        if v is not None and k in _POSITIVE and v <= 0:
-            raise CheckpointError(f"{src}: config field {k!r} must be > 0, got {v!r}; fix it in the config")
-
-
-def _need(cfg: dict, key: str, src: Path):
-    if key not in cfg or cfg[key] is None:
-        raise CheckpointError(f"{src}: config field {key!r} is missing; it is required for this model")
-    return cfg[key]
-
-
-def _uniform_spec(kind: str, cfg: dict, src: Path) -> OpSpec:
-    try:
-        return _uniform(kind, cfg, src)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{src}: config for the {kind} layers: {e}") from None
-
-
-def _uniform(kind: str, cfg: dict, src: Path) -> OpSpec:
-    g = lambda k: _need(cfg, k, src)
-    hidden, eps = g("hidden_size"), cfg.get("layer_norm_epsilon", 1e-5)
-    if kind == "mamba2":
-        return Mamba2(hidden, g("mamba_num_heads"), g("mamba_head_dim"), g("ssm_state_size"), g("n_groups"),
-                      cfg.get("conv_kernel", 4), cfg.get("chunk_size", 128), cfg.get("use_conv_bias", True),
-                      float(cfg.get("time_step_min", 0.001)), eps)
-    if kind == "moe":
-        return MoE(hidden, g("n_routed_experts"), g("num_experts_per_tok"), g("moe_intermediate_size"),
-                   g("moe_shared_expert_intermediate_size") if cfg.get("n_shared_experts", 1) else 0,
-                   cfg.get("moe_latent_size") or 0, float(cfg.get("routed_scaling_factor", 1.0)),
-                   cfg.get("norm_topk_prob", True), eps)
-    if kind == "attention":
-        heads = g("num_attention_heads")  # 0 is reported by the op's check, not as a ZeroDivisionError
-        return Attention(hidden, heads, cfg.get("num_key_value_heads") or heads,
-                         cfg.get("head_dim") or hidden // max(heads, 1), eps)
-    return MLP(hidden, g("intermediate_size"), eps)
-
-
-def _too_many_layers(src: Path, field: str, n: int) -> CheckpointError:
-    return CheckpointError(f"{src}: {field} declares {n:,} layers, more than the {MAX_LAYERS:,} puzzlekit accepts; "
-                           "is the field (or the file) right?")
-
-
-def _kinds(seq, field: str, src: Path) -> list[str]:
-    if not isinstance(seq, (str, list)):
-        raise CheckpointError(f"{src}: {field} must be a string or a list, got {type(seq).__name__}")
-    if len(seq) > MAX_LAYERS:
-        raise _too_many_layers(src, field, len(seq))
-    out = []
-    for i, t in enumerate(seq):
-        if not isinstance(t, str) or t not in LAYER_TYPES:
-            known = ", ".join(f"{k!r}" for k in LAYER_TYPES)
-            raise CheckpointError(f"{src}: {field} has unknown layer type {_short(t)} at position {i}; known: {known}")
-        out.append(LAYER_TYPES[t])
-    return out
-
-
-def _unsupported(cfg: dict, src: Path):
-    flags = {"attention_bias": False, "mlp_bias": False, "use_bias": False, "mamba_proj_bias": False,
-             "n_group": 1, "topk_group": 1, "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2"}
-    for k, ok in flags.items():
-        if k in cfg and cfg[k] is not None and cfg[k] != ok:
-            raise CheckpointError(f"{src}: config {k}={cfg[k]!r} is not supported (only {ok!r}); "
-                                  "convert the model or file a feature request")
-    if cfg.get("n_shared_experts", 1) not in (0, 1):
-        raise CheckpointError(f"{src}: n_shared_experts={cfg['n_shared_experts']} is not supported (0 or 1)")
-
 
 BLOCK_KINDS = tuple(sorted(k for k, c in OPS.items() if c.is_block))
 
@@ -164,17 +52,17 @@ BLOCK_KINDS = tuple(sorted(k for k, c in OPS.items() if c.is_block))
 def spec_from_dict(d, where: str, kinds=BLOCK_KINDS) -> OpSpec:
     """One op spec from its JSON object; `kinds` are the block types allowed at this place."""
     if not isinstance(d, dict):
-        raise CheckpointError(f"{where} must be an object with a block_type, got {_short(d)}")
+        raise CheckpointError(f"{where} must be an object with a block_type, got {short(d)}")
     d = dict(d)
     kind = d.pop("block_type", None)
     if not isinstance(kind, str) or kind not in kinds:
-        raise CheckpointError(f"{where}: unknown block_type {_short(kind)}; known here: {list(kinds)}")
+        raise CheckpointError(f"{where}: unknown block_type {short(kind)}; known here: {list(kinds)}")
     if kind == "mtp":
         blocks = d.get("blocks", [])
         if not isinstance(blocks, list):
-            raise CheckpointError(f"{where}.blocks must be a list of block objects, got {_short(blocks)}")
+            raise CheckpointError(f"{where}.blocks must be a list of block objects, got {short(blocks)}")
         if len(blocks) > MAX_LAYERS:
-            raise _too_many_layers(where, "blocks", len(blocks))
+            raise too_many_layers(where, "blocks", len(blocks))
         d["blocks"] = tuple(spec_from_dict(b, f"{where}.blocks[{i}]") for i, b in enumerate(blocks))
     try:
         return OPS[kind](**d)
@@ -194,7 +82,7 @@ def spec_to_dict(op: OpSpec) -> dict:
 def _our_layers(cfg: dict, src: Path) -> tuple[list[OpSpec], OpSpec | None]:
     """Per-layer specs from our `block_configs` (and `mtp`) objects."""
     if len(cfg["block_configs"]) > MAX_LAYERS:
-        raise _too_many_layers(src, "block_configs", len(cfg["block_configs"]))
+        raise too_many_layers(src, "block_configs", len(cfg["block_configs"]))
     blocks = [spec_from_dict(d, f"{src}: block_configs[{i}]") for i, d in enumerate(cfg["block_configs"])]
     mtp = spec_from_dict(cfg["mtp"], f"{src}: mtp", ("mtp",)) if "mtp" in cfg else None
     n = cfg.get("num_nextn_predict_layers")
@@ -207,13 +95,13 @@ def _our_layers(cfg: dict, src: Path) -> tuple[list[OpSpec], OpSpec | None]:
 def _hf_layers(cfg: dict, src: Path) -> tuple[list[OpSpec], OpSpec | None]:
     """Uniform specs (one per layer kind) from a Hugging Face `nemotron_h` layout and its MTP fields."""
     if cfg.get("layers_block_type") is not None:
-        kinds = _kinds(cfg["layers_block_type"], "layers_block_type", src)
+        kinds = kinds_of(cfg["layers_block_type"], "layers_block_type", src)
     elif cfg.get("hybrid_override_pattern") is not None:
-        kinds = _kinds(cfg["hybrid_override_pattern"], "hybrid_override_pattern", src)
+        kinds = kinds_of(cfg["hybrid_override_pattern"], "hybrid_override_pattern", src)
     else:
         raise CheckpointError(f"{src}: config needs `layers_block_type` or `hybrid_override_pattern`")
     cache: dict[str, OpSpec] = {}
-    blocks = [cache.setdefault(k, _uniform_spec(k, cfg, src)) for k in kinds]
+    blocks = [cache.setdefault(k, spec_of(k, cfg, src)) for k in kinds]
     n_mtp = cfg.get("num_nextn_predict_layers", 0)
     if n_mtp > 1:
         raise CheckpointError(f"{src}: num_nextn_predict_layers={n_mtp}: only one MTP head is supported")
@@ -221,7 +109,7 @@ def _hf_layers(cfg: dict, src: Path) -> tuple[list[OpSpec], OpSpec | None]:
         return blocks, None
     pattern = cfg.get("mtp_hybrid_override_pattern") or cfg.get("mtp_layers_block_type") or "*E"
     field = "mtp_hybrid_override_pattern" if isinstance(pattern, str) else "mtp_layers_block_type"
-    mblocks = [_uniform_spec(k, cfg, src) for k in _kinds(pattern, field, src)]
+    mblocks = [spec_of(k, cfg, src) for k in kinds_of(pattern, field, src)]
     return blocks, MTP(cfg["hidden_size"], tuple(mblocks), cfg.get("layer_norm_epsilon", 1e-5))
 
 
@@ -280,10 +168,10 @@ def program_from_config(cfg: dict, src: Path) -> Program:
     """The Program a config describes (no weights), every field type- and range-checked first."""
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{src}: config must be a JSON object")
-    _check_fields(cfg, src)
+    check_fields(cfg, src)
     c = {k: v for k, v in cfg.items() if v is not None}
-    _unsupported(c, src)
-    hidden, vocab = _need(c, "hidden_size", src), _need(c, "vocab_size", src)
+    check_supported(c, src)
+    hidden, vocab = need(c, "hidden_size", src), need(c, "vocab_size", src)
     for k, v in (("hidden_size", hidden), ("vocab_size", vocab)):
         if v <= 0:
             raise CheckpointError(f"{src}: config field {k!r} must be a positive integer, got {v!r}")
@@ -357,7 +245,7 @@ def _index_map(d: Path) -> dict[str, Path] | None:
         raise CheckpointError(f"{d / INDEX}: has no `weight_map` object")
     bad = next((k for k, v in wm.items() if not isinstance(v, str)), None)
     if bad is not None:
-        raise CheckpointError(f"{d / INDEX}: weight_map[{bad!r}] must be a file name, got {_short(wm[bad])}")
+        raise CheckpointError(f"{d / INDEX}: weight_map[{bad!r}] must be a file name, got {short(wm[bad])}")
     files = {v: _shard(d, v, d / INDEX) for v in sorted(set(wm.values()))}
     return {k: files[v] for k, v in wm.items()}
 
