@@ -1,9 +1,12 @@
-"""Checkpoint IO: Hugging Face `nemotron_h` (uniform, with `mtp.*`) in, our heterogeneous format in and out."""
+"""Checkpoint IO: Hugging Face `nemotron_h` (uniform, with `mtp.*`) and the published heterogeneous
+`nemotron_h_puzzle` in and out (with Model Optimizer's quantization config), puzzlekit's extended form
+in and out, and the first form puzzlekit wrote in."""
 from __future__ import annotations
 
 import json
 import math
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,10 +19,14 @@ from .ops.base import QUANT_FORMATS
 from .program import Node, Program
 from .hf_fields import (MAX_LAYERS, check_fields, check_supported, kinds_of, need, short, spec_of,
                         too_many_layers)
+from . import nemotron_h_puzzle as puzzle
+from .quant import modelopt
 from .verifier import problems
 from .weights import WeightStore, lazy_tensors, loads_strict
 
-FORMAT = "nemotron_h_puzzle"
+#: puzzlekit's extended form: every block kind, our attribute names (no serving engine reads it)
+EXTENDED = "puzzlekit_nemotron_h"
+EXTENDED_ARCHITECTURE = "PuzzlekitNemotronHForCausalLM"
 INDEX = "model.safetensors.index.json"
 
 
@@ -164,8 +171,9 @@ def _check_layer_count(cfg: dict, blocks: list, src: Path) -> None:
                               "make them agree")
 
 
-def program_from_config(cfg: dict, src: Path) -> Program:
-    """The Program a config describes (no weights), every field type- and range-checked first."""
+def program_from_config(cfg: dict, src: Path, quant: dict | None = None) -> Program:
+    """The Program a config describes (no weights), every field type- and range-checked first. `quant` is
+    an hf_quant_config.json, used when the config carries no quantization_config."""
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{src}: config must be a JSON object")
     check_fields(cfg, src)
@@ -175,14 +183,54 @@ def program_from_config(cfg: dict, src: Path) -> Program:
     for k, v in (("hidden_size", hidden), ("vocab_size", vocab)):
         if v <= 0:
             raise CheckpointError(f"{src}: config field {k!r} must be a positive integer, got {v!r}")
-    blocks, mtp = _our_layers(c, src) if "block_configs" in c else _hf_layers(c, src)
+    form = config_form(c)
+    reader = {"extended": _our_layers, "first": _our_layers, "published": puzzle.read_layers, "nemotron_h": _hf_layers}
+    blocks, mtp = reader[form](c, src)
     _check_layer_count(c, blocks, src)
     eps = c.get("layer_norm_epsilon", 1e-5)
     prog = assemble(Embed(vocab, hidden), blocks, Norm(hidden, eps),
                     LMHead(vocab, hidden, c.get("tie_word_embeddings", False)), mtp,
                     meta={"dtype": _model_dtype(c, src), "config": cfg})
     _check_size(prog, src)
+    quant = c.get("quantization_config", quant)
+    if form in ("published", "nemotron_h") and quant is not None:
+        prog = _with_quantization(prog, quant, src)
     return prog
+
+
+def config_form(cfg: dict) -> str:
+    """Which config this is: "published" (`nemotron_h_puzzle` with NemotronHConfig fields per layer),
+    "extended" (ours), "first" (the first heterogeneous form puzzlekit wrote: `nemotron_h_puzzle` with our
+    attribute names and an `mtp` object) or "nemotron_h" (uniform Hugging Face)."""
+    if cfg.get("model_type") == EXTENDED:
+        return "extended"
+    if "block_configs" not in cfg:
+        return "nemotron_h"
+    first = "mtp" in cfg or any(isinstance(b, dict) and "hidden" in b for b in cfg["block_configs"])
+    return "first" if first else "published"
+
+
+def _with_quantization(prog: Program, qc, src) -> Program:
+    """The program with each linear module's format from a Model Optimizer quantization config."""
+    if not isinstance(qc, dict) or not str(qc.get("quant_method", "modelopt")).lower().startswith("modelopt"):
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise CheckpointError(f"{src}: quantization method {short(method)} is not supported; puzzlekit reads Model "
+                              "Optimizer's (quant_method \"modelopt\")")
+    modules = modelopt.linear_modules(prog)
+    fmts, kv = modelopt.read(qc, list(modules), src)
+    stray = next((m for m in fmts if m not in modules), None)
+    if stray is not None:
+        raise CheckpointError(f"{src}: the quantization config names module {stray!r}, which the model does not have "
+                              "(or which has no 2-D weight); fix the config")
+    per_node: dict[str, dict] = {}
+    for module, fmt in fmts.items():
+        node, local = modules[module]
+        per_node.setdefault(node.path, {})[local] = fmt
+    nodes = [replace(n, op=n.op.replace(quant=per_node[n.path])) if n.path in per_node else n for n in prog.nodes]
+    out = Program(nodes, prog.weights, prog.inputs, prog.outputs, prog.meta)
+    if kv:
+        out.meta["kv_cache_quant_algo"] = kv
+    return out
 
 
 def meta_weights(prog: Program, dtype: torch.dtype = torch.bfloat16) -> Program:
@@ -351,7 +399,9 @@ def load(path, check_finite: bool = False) -> Program:
         raise CheckpointError(f"{path} does not exist; pass a checkpoint directory or a config.json")
     if not cfg_file.exists():
         raise CheckpointError(f"{path} has no config.json; a checkpoint directory needs one")
-    prog = program_from_config(_read_json(cfg_file), cfg_file)
+    hf_quant = d / modelopt.HF_QUANT_CONFIG if d is not None else None
+    prog = program_from_config(_read_json(cfg_file), cfg_file,
+                               _read_json(hf_quant) if hf_quant is not None and hf_quant.exists() else None)
     spec_problems = [p for p in problems(prog) if "weight" not in p]
     if spec_problems:
         raise CheckpointError(f"{cfg_file} describes an inconsistent model:\n  " + "\n  ".join(spec_problems))
@@ -377,8 +427,20 @@ def load(path, check_finite: bool = False) -> Program:
 
 
 # -- save ------------------------------------------------------------------------------------------------
-def config_of(prog: Program) -> dict:
-    """Our heterogeneous config: per-block `block_configs` plus the model-level fields."""
+def _producer() -> dict:
+    try:
+        from importlib.metadata import version
+        return {"name": "puzzlekit", "version": version("puzzlekit")}
+    except Exception:  # not installed (run from a checkout)
+        return {"name": "puzzlekit", "version": "unknown"}
+
+
+def configs(prog: Program, extended: bool = False) -> tuple[dict, dict | None]:
+    """(config.json, hf_quant_config.json or None) of a program.
+
+    The published `nemotron_h_puzzle` schema with Model Optimizer's quantization config, or with
+    `extended` puzzlekit's own form (`puzzlekit_nemotron_h`: every block kind, our attribute names, the
+    quantization recorded per block), which no serving engine reads."""
     emb, head, norm = prog.find("embed"), prog.find("lm_head"), prog.find("norm")
     if len(emb) != 1 or len(head) != 1 or len(norm) != 1:
         raise CheckpointError("save: only programs with one embed, norm and lm_head can be saved")
@@ -389,9 +451,7 @@ def config_of(prog: Program) -> dict:
     mtp = prog.find("mtp")
     kept = {k: v for k, v in prog.meta.get("config", {}).items()
             if k in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")}
-    return {
-        "architectures": ["NemotronHPuzzleForCausalLM"],
-        "model_type": FORMAT,
+    common = {
         **kept,
         "vocab_size": emb[0].op.vocab,
         "hidden_size": emb[0].op.hidden,
@@ -399,35 +459,34 @@ def config_of(prog: Program) -> dict:
         "tie_word_embeddings": head[0].op.tied,
         "dtype": prog.meta.get("dtype", "float32"),
         "num_hidden_layers": len(prog.blocks()),
-        "num_nextn_predict_layers": len(mtp),
-        "block_configs": [spec_to_dict(b.op) for b in prog.blocks()],
-        "mtp": spec_to_dict(mtp[0].op) if mtp else None,
-        **({"quantization_config": quantization_config(prog)} if any(n.op.quant for n in prog.nodes) else {}),
-        **({"provenance": prog.meta["provenance"]} if prog.meta.get("provenance") else {}),
     }
+    provenance = {"provenance": prog.meta["provenance"]} if prog.meta.get("provenance") else {}
+    if extended:
+        return {"architectures": [EXTENDED_ARCHITECTURE], "model_type": EXTENDED, **common,
+                "num_nextn_predict_layers": len(mtp), "block_configs": [spec_to_dict(b.op) for b in prog.blocks()],
+                "mtp": spec_to_dict(mtp[0].op) if mtp else None, **provenance}, None
+    layers = puzzle.layers_config([b.op for b in prog.blocks()], mtp[0].op if mtp else None, norm[0].op.eps)
+    hf_quant = modelopt.hf_quant_config(prog, _producer())
+    cfg = {"architectures": [puzzle.ARCHITECTURE], "model_type": puzzle.MODEL_TYPE, **common, **layers,
+           **({"quantization_config": modelopt.inline_config(hf_quant)} if hf_quant else {}), **provenance}
+    _check_reads_back(prog, cfg)
+    return cfg, hf_quant
 
 
-def quantization_config(prog: Program) -> dict:
-    """The serving engines' quantization config: algorithm per quantised module, group size, exclusions."""
-    layers, algos, excluded = {}, set(), []
-    for n in prog.nodes:
-        quant = dict(n.op.quant)
-        for local, shape in n.op.params().items():
-            if len(shape) != 2 or local.endswith("norm.weight"):
-                continue
-            module = f"{n.path}.{local.rsplit('.', 1)[0]}" if "." in local else n.path
-            fmt = quant.get(local)
-            if fmt is None:
-                excluded.append(module)
-                continue
-            algo = {"fp8": "FP8", "fp8-weight": "FP8_WEIGHT_ONLY", "nvfp4": "NVFP4",
-                    "nvfp4-weight": "NVFP4_WEIGHT_ONLY"}[fmt]
-            algos.add(algo)
-            layers[module] = {"quant_algo": algo, **({"group_size": 16} if fmt.startswith("nvfp4") else {})}
-    return {"quant_method": "modelopt", "producer": "puzzlekit",
-            "quant_algo": algos.pop() if len(algos) == 1 else "MIXED_PRECISION",
-            "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": sorted(excluded),
-            "quantized_layers": layers}
+def _check_reads_back(prog: Program, cfg: dict) -> None:
+    """The published config describes exactly this program (specs and quantization), or save refuses."""
+    back = program_from_config(json.loads(json.dumps(cfg)), Path("config.json"))
+    for a, b in zip(prog.nodes, back.nodes):
+        if a.op != b.op:
+            raise puzzle.Unpublishable(f"save: {a.path} ({a.op.kind}) does not survive the published schema (it reads "
+                                       f"back as {b.op}); save with extended=True (CLI: --extended)")
+    if prog.meta.get("kv_cache_quant_algo") != back.meta.get("kv_cache_quant_algo"):
+        raise puzzle.Unpublishable("save: the KV cache format does not survive the quantization config")
+
+
+def config_of(prog: Program, extended: bool = False) -> dict:
+    """The config.json `save` writes."""
+    return configs(prog, extended)[0]
 
 
 def _stored_tensors(name: str, value) -> dict:
@@ -440,14 +499,20 @@ def _stored_tensors(name: str, value) -> dict:
     return out
 
 
-def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> Path:
-    """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`), atomically.
+def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
+         extended: bool = False) -> Path:
+    """Writes config.json (+ hf_quant_config.json) + safetensors (sharded with an index past
+    `max_shard_bytes`), atomically.
 
-    Tensors are written exactly as stored (dtype and bytes), so save -> load -> save is byte-identical.
-    Lazy tensors are read one shard at a time, so a checkpoint larger than memory streams through.
+    The config follows the published `nemotron_h_puzzle` schema, which vLLM, TensorRT-LLM and llama.cpp
+    load; a program it cannot express (noop or linear blocks, Mamba layers that differ, an MTP head with
+    other blocks than attention and MoE, FP8 weight-only quantization) is refused, naming the layer,
+    unless `extended` asks for puzzlekit's own form. Tensors are written exactly as stored (dtype and
+    bytes), so save -> load -> save is byte-identical. Lazy tensors are read one shard at a time, so a
+    checkpoint larger than memory streams through.
     """
     path = Path(path)
-    cfg = config_of(prog)
+    cfg, hf_quant = configs(prog, extended)
     found = problems(prog)
     if found:
         raise CheckpointError("save: the program does not verify:\n  " + "\n  ".join(found))
@@ -460,6 +525,8 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
     with staged_dir(path, overwrite, prog.input_paths(), need_bytes=0 if metas else sum(w.nbytes(k) for k in names)) as tmp:
         (tmp / "config.json").write_text(json.dumps({**cfg, **({"meta_only": True} if metas else {})}, indent=2)
                                          + "\n")
+        if hf_quant:
+            (tmp / modelopt.HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
         if not metas:
             shards, cur, size = [], [], 0
             for k in names:

@@ -31,7 +31,8 @@ FIELD_TYPES = {
                      "mtp_layers_block_type"), _LAYOUT),
     "block_configs": _LIST, "mtp_block_configs": _LIST, "mtp": _OBJECT,
 }
-_POSITIVE = ("layer_norm_epsilon", "time_step_min")  # also > 0
+#: lower bounds beyond the JSON type: the epsilon is > 0; dt's lower clamp is >= 0 (0: no clamp, as vLLM runs)
+_BOUNDS = {"layer_norm_epsilon": (lambda v: v > 0, "> 0"), "time_step_min": (lambda v: v >= 0, ">= 0")}
 
 
 def _finite(v) -> bool:
@@ -57,8 +58,8 @@ def check_fields(cfg: dict, src) -> None:
         v = cfg.get(k)
         if v is not None and not _IS[want](v):
             raise CheckpointError(f"{src}: config field {k!r} must be {want}, got {short(v)}; fix it in the config")
-        if v is not None and k in _POSITIVE and v <= 0:
-            raise CheckpointError(f"{src}: config field {k!r} must be > 0, got {v!r}; fix it in the config")
+        if v is not None and k in _BOUNDS and not _BOUNDS[k][0](v):
+            raise CheckpointError(f"{src}: config field {k!r} must be {_BOUNDS[k][1]}, got {v!r}; fix it in the config")
 
 
 def need(cfg: dict, key: str, src):
