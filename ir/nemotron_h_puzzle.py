@@ -1,4 +1,4 @@
-"""The published `nemotron_h_puzzle` schema (NVIDIA's Puzzle children), as vLLM, TensorRT-LLM and llama.cpp read it.
+"""The published `nemotron_h_puzzle` schema (NVIDIA's Puzzle children), as vLLM and TensorRT-LLM read it.
 
 The top level is an ordinary `nemotron_h` config. `block_configs` has one object per layer and
 `mtp_block_configs` one per layer of the MTP head: a `block_type` (mamba, moe, attention, mlp) plus
@@ -9,7 +9,7 @@ carries; MoE blocks always carry their expert geometry, as the published childre
 
 What engines read from the top level only is refused when layers differ in it: the Mamba geometry (vLLM
 builds Mamba layers and their state caches from the top level) and the norms' epsilon. vLLM's MTP head
-has attention and MoE layers only, and no loader knows `noop` or `linear` blocks. `config_of` names
+has attention and MoE layers only, and no loader knows `noop` or `linear` blocks. `layers_config` names
 the first such layer; puzzlekit's extended form (`ir.save(..., extended=True)`) writes every program.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..errors import CheckpointError
 from .hf_fields import (BLOCK_TYPE, FIXED, LAYER_TYPES, MAX_LAYERS, check_fields, check_supported, fields_of, short,
                         spec_of, too_many_layers)
-from .ops import MTP
+from .ops import LETTER_OF, MTP
 
 MODEL_TYPE = "nemotron_h_puzzle"
 ARCHITECTURE = "NemotronHPuzzleForCausalLM"
@@ -33,7 +33,7 @@ class Unpublishable(CheckpointError):
 
 def _refuse(where: str, why: str) -> Unpublishable:
     return Unpublishable(f"save: {where} {why}; save with extended=True (CLI: --extended) to write puzzlekit's "
-                         "extended form, which vLLM, TensorRT-LLM and llama.cpp do not load")
+                         "extended form, which no serving engine loads")
 
 
 def layers_config(blocks: list, mtp: MTP | None, eps: float) -> dict:
@@ -73,10 +73,13 @@ def layers_config(blocks: list, mtp: MTP | None, eps: float) -> dict:
     def entry(op) -> dict:
         return {"block_type": BLOCK_TYPE[op.kind], **{k: v for k, v in fields_of(op).items() if k in blockwise}}
 
-    out = {"layers_block_type": [BLOCK_TYPE[b.kind] for b in blocks], **FIXED, **top,
+    # the layout both ways: transformers and vLLM read the list, TensorRT-LLM's config and mlx-lm the pattern
+    out = {"layers_block_type": [BLOCK_TYPE[b.kind] for b in blocks],
+           "hybrid_override_pattern": "".join(LETTER_OF[b.kind] for b in blocks), **FIXED, **top,
            "num_nextn_predict_layers": int(mtp is not None)}
     if mtp is not None:
         out["mtp_layers_block_type"] = [BLOCK_TYPE[b.kind] for b in mtp.blocks]
+        out["mtp_hybrid_override_pattern"] = mtp.pattern
     out["block_configs"] = [entry(b) for b in blocks]
     out["mtp_block_configs"] = [entry(b) for b in mtp.blocks] if mtp else []
     return out
@@ -115,10 +118,11 @@ def read_layers(cfg: dict, src) -> tuple[list, MTP | None]:
         specs.append(spec_of(LAYER_TYPES[b["block_type"]], merged, where))
     n_trunk = len(cfg.get("block_configs") or [])
     blocks, mtp_blocks = specs[:n_trunk], specs[n_trunk:]
-    declared = cfg.get("layers_block_type")
-    if isinstance(declared, list) and [LAYER_TYPES.get(t) for t in declared] != [b.kind for b in blocks]:
-        raise CheckpointError(f"{src}: layers_block_type {short(declared)} disagrees with the block_types of "
-                              "block_configs; make them agree")
+    for field in ("layers_block_type", "hybrid_override_pattern"):
+        declared = cfg.get(field)
+        if declared is not None and [LAYER_TYPES.get(t) for t in declared] != [b.kind for b in blocks]:
+            raise CheckpointError(f"{src}: {field} {short(declared)} disagrees with the block_types of "
+                                  "block_configs; make them agree")
     n = cfg.get("num_nextn_predict_layers")
     if n is not None and n != int(bool(mtp_blocks)):
         raise CheckpointError(f"{src}: num_nextn_predict_layers is {n} but mtp_block_configs has "

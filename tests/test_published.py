@@ -75,6 +75,7 @@ def test_config_is_the_published_schema(saved, child):
     assert cfg["model_type"] == "nemotron_h_puzzle" and cfg["architectures"] == ["NemotronHPuzzleForCausalLM"]
     assert cfg["layers_block_type"] == ["mamba", "moe", "mamba", "attention", "moe", "mamba", "mlp", "mamba", "moe",
                                         "mamba", "attention", "moe"]
+    assert cfg["hybrid_override_pattern"] == "MEM*EM-MEM*E" and cfg["mtp_hybrid_override_pattern"] == "*E"
     assert cfg["mtp_layers_block_type"] == ["attention", "moe"] and cfg["num_nextn_predict_layers"] == 1
     # the Mamba geometry is uniform: top level only, as the published child (ssm_state_size 96 everywhere)
     assert (cfg["ssm_state_size"], cfg["mamba_num_heads"]) == (24, 6)
