@@ -1,10 +1,8 @@
 """Checkpoint IO: byte-exact round trips, sharding, the real configs as meta programs, and bad inputs."""
 from __future__ import annotations
 
-import copy
 import importlib
 import json
-import math
 import time
 import tracemalloc
 from pathlib import Path

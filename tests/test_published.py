@@ -17,10 +17,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from puzzlekit import ir
-from puzzlekit.backends.torch import materialize, random_weights
+from puzzlekit.backends.torch import materialize
 from puzzlekit.errors import CheckpointError
 from puzzlekit.ir.nemotron_h_puzzle import Unpublishable
-from puzzlekit.ir.ops import MTP, Linear, Mamba2, MoE, Noop
+from puzzlekit.ir.ops import MTP, Linear, Mamba2, Noop
 from puzzlekit.ir.quant.recipe import FORMATS, get_recipe
 from puzzlekit.passes.quant.calibrate import input_scale, quantize_weight
 
@@ -303,6 +303,14 @@ def test_mixed_quant_config_lists_exactly_the_quantised_modules(mixed):
     assert set(qc) == set(fields["quantization_config"]["MIXED_PRECISION"])
     for e in want.values():
         assert set(e) == set(fields["quantized_layers_entry"][e["quant_algo"]])
+
+
+def test_quantized_round_trip_is_byte_identical(mixed, tmp_path):
+    _, d = mixed
+    ir.save(ir.load(d), tmp_path / "again")
+    assert sorted(p.name for p in d.iterdir()) == sorted(p.name for p in (tmp_path / "again").iterdir())
+    for f in d.iterdir():
+        assert f.read_bytes() == (tmp_path / "again" / f.name).read_bytes(), f.name
 
 
 def test_quantized_tensors_have_nvidias_names_and_dtypes(mixed):
