@@ -9,7 +9,7 @@ carries; MoE blocks always carry their expert geometry, as the published childre
 
 What engines read from the top level only is refused when layers differ in it: the Mamba geometry (vLLM
 builds Mamba layers and their state caches from the top level) and the norms' epsilon. vLLM's MTP head
-has attention and MoE layers only, and no loader knows `noop` or `linear` blocks. `layers_config` names
+is one attention and one MoE layer, and no loader knows `noop` or `linear` blocks. `layers_config` names
 the first such layer; puzzlekit's extended form (`ir.save(..., extended=True)`) writes every program.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ ARCHITECTURE = "NemotronHPuzzleForCausalLM"
 #: fields every MoE block carries (the published children's MoE entries)
 MOE_ALWAYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
               "moe_shared_expert_intermediate_size", "moe_latent_size")
+#: the MTP head vLLM's nemotron_h_puzzle config accepts (the published children's): one attention, one MoE layer
 MTP_KINDS = ("attention", "moe")
 
 
@@ -42,12 +43,13 @@ def layers_config(blocks: list, mtp: MTP | None, eps: float) -> dict:
     the schema cannot express."""
     layers = [(f"backbone.layers.{i}", b) for i, b in enumerate(blocks)]
     layers += [(f"mtp.layers.{i}", b) for i, b in enumerate(mtp.blocks if mtp else ())]
+    if mtp is not None and tuple(b.kind for b in mtp.blocks) != MTP_KINDS:
+        raise _refuse("mtp", f"has blocks {[b.kind for b in mtp.blocks]}; vLLM's nemotron_h_puzzle config accepts "
+                             "an MTP head of one attention and one MoE layer")
     for where, op in layers:
         if op.kind not in BLOCK_TYPE:
             raise _refuse(where, f"is a {op.kind!r} block; the published schema has "
                                  f"{', '.join(BLOCK_TYPE.values())} blocks only")
-        if where.startswith("mtp.") and op.kind not in MTP_KINDS:
-            raise _refuse(where, f"is a {op.kind!r} block; vLLM's MTP head builds attention and MoE layers only")
         if op.eps != eps:
             raise _refuse(where, f"has norm epsilon {op.eps}, the model {eps}; engines read one epsilon for "
                                  "every norm")
@@ -62,9 +64,9 @@ def layers_config(blocks: list, mtp: MTP | None, eps: float) -> dict:
             for k, v in f.items():
                 if v != first[k]:
                     if kind == "mamba2":
-                        raise _refuse(where, f"has {k}={v}, but {first_where} has {first[k]}; vLLM and TensorRT-LLM "
-                                             "read the Mamba geometry from the top level, so every Mamba layer "
-                                             "must share it")
+                        raise _refuse(where, f"has {k}={v}, but {first_where} has {first[k]}; vLLM builds Mamba "
+                                             "layers and their state caches from the top level, so every Mamba "
+                                             "layer must share them")
                     blockwise.add(k)
     if "moe_latent_size" in blockwise:  # a block without one must not fall back to another's (TensorRT-LLM does)
         top["moe_latent_size"] = None
@@ -73,7 +75,7 @@ def layers_config(blocks: list, mtp: MTP | None, eps: float) -> dict:
     def entry(op) -> dict:
         return {"block_type": BLOCK_TYPE[op.kind], **{k: v for k, v in fields_of(op).items() if k in blockwise}}
 
-    # the layout both ways: transformers and vLLM read the list, TensorRT-LLM's config and mlx-lm the pattern
+    # the layout both ways: transformers reads the list, TensorRT-LLM's MTP head the pattern
     out = {"layers_block_type": [BLOCK_TYPE[b.kind] for b in blocks],
            "hybrid_override_pattern": "".join(LETTER_OF[b.kind] for b in blocks), **FIXED, **top,
            "num_nextn_predict_layers": int(mtp is not None)}

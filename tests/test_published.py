@@ -178,7 +178,7 @@ def _swap(prog, path, op):
     ("noop", ["backbone.layers.6", "'noop'", "extended=True"]),
     ("linear", ["backbone.layers.6", "'linear'", "extended=True"]),
     ("mamba", ["backbone.layers.5", "ssm_state_size=16", "top level"]),
-    ("mtp-mamba", ["mtp.layers.0", "'mamba2'", "attention and MoE"]),
+    ("mtp-mamba", ["mtp has blocks", "'mamba2'", "one attention and one MoE layer"]),
     ("eps", ["backbone.layers.6", "epsilon"]),
 ])
 def test_unexpressible_programs_are_refused_naming_the_layer(child, tmp_path, case, words):
