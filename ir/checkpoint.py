@@ -1,9 +1,12 @@
-"""Checkpoint IO: Hugging Face `nemotron_h` (uniform, with `mtp.*`) in, our heterogeneous format in and out."""
+"""Checkpoint IO: Hugging Face `nemotron_h` (uniform, with `mtp.*`) and the published heterogeneous
+`nemotron_h_puzzle` in and out (with Model Optimizer's quantization config), puzzlekit's extended form
+in and out, and the first form puzzlekit wrote in."""
 from __future__ import annotations
 
 import json
 import math
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -11,16 +14,19 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from ..outputs import staged_dir
-from .ops import MLP, MTP, OPS, Attention, Embed, LMHead, Mamba2, MoE, Norm, OpSpec
+from .ops import MTP, OPS, Embed, LMHead, Norm, OpSpec
 from .ops.base import QUANT_FORMATS
 from .program import Node, Program
+from .hf_fields import (MAX_LAYERS, check_fields, check_supported, kinds_of, need, short, spec_of,
+                        too_many_layers)
+from . import nemotron_h_puzzle as puzzle
+from .quant import modelopt
 from .verifier import problems
 from .weights import WeightStore, lazy_tensors, loads_strict
 
-#: layers_block_type spellings (old and new transformers) -> op kind
-LAYER_TYPES = {"mamba": "mamba2", "linear_attention": "mamba2", "M": "mamba2", "moe": "moe", "E": "moe",
-               "attention": "attention", "full_attention": "attention", "*": "attention", "mlp": "mlp", "-": "mlp"}
-FORMAT = "nemotron_h_puzzle"
+#: puzzlekit's extended form: every block kind, our attribute names (no serving engine reads it)
+EXTENDED = "puzzlekit_nemotron_h"
+EXTENDED_ARCHITECTURE = "PuzzlekitNemotronHForCausalLM"
 INDEX = "model.safetensors.index.json"
 
 
@@ -41,122 +47,11 @@ def assemble(embed: Embed, blocks: list[OpSpec], norm: Norm, head: LMHead, mtp: 
 
 
 # -- config -> specs ---------------------------------------------------------------------------------
-#: Sanity bounds, checked before any per-layer or per-expert list is built and before anything is allocated,
-#: so that a wrong size field fails in milliseconds. Nemotron-3 Super: 88 layers, ~42k tensors, 1.2e11
-#: parameters, largest tensor 5.4e8 elements.
-MAX_LAYERS = 10_000
+#: Sanity bounds, checked before anything is allocated, so that a wrong size field fails in milliseconds.
+#: Nemotron-3 Super: ~42k tensors, 1.2e11 parameters, largest tensor 5.4e8 elements.
 MAX_TENSORS = 1_000_000
 MAX_TENSOR_ELEMENTS = 2**40
 MAX_PARAMS = 10**13
-
-_INT, _NUM, _BOOL, _STR = "a non-negative integer", "a finite number", "true or false", "a string"
-_LAYOUT, _LIST, _OBJECT = "a string or a list of strings", "a list of objects", "an object"
-#: JSON types of the config fields puzzlekit reads; null means "not set" (the default applies)
-FIELD_TYPES = {
-    **dict.fromkeys(("hidden_size", "vocab_size", "num_hidden_layers", "mamba_num_heads", "mamba_head_dim",
-                     "ssm_state_size", "n_groups", "conv_kernel", "chunk_size", "n_routed_experts",
-                     "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
-                     "moe_latent_size", "n_shared_experts", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "num_nextn_predict_layers", "n_group", "topk_group"), _INT),
-    **dict.fromkeys(("layer_norm_epsilon", "time_step_min", "routed_scaling_factor"), _NUM),
-    **dict.fromkeys(("tie_word_embeddings", "use_conv_bias", "norm_topk_prob", "attention_bias", "mlp_bias",
-                     "use_bias", "mamba_proj_bias"), _BOOL),
-    **dict.fromkeys(("dtype", "torch_dtype", "mamba_hidden_act", "mlp_hidden_act"), _STR),
-    **dict.fromkeys(("hybrid_override_pattern", "layers_block_type", "mtp_hybrid_override_pattern",
-                     "mtp_layers_block_type"), _LAYOUT),
-    "block_configs": _LIST, "mtp": _OBJECT,
-}
-_POSITIVE = ("layer_norm_epsilon", "time_step_min")  # also > 0
-
-
-def _finite(v) -> bool:
-    try:
-        return type(v) in (int, float) and math.isfinite(v)
-    except OverflowError:  # an int too large for a float
-        return False
-
-
-_IS = {_INT: lambda v: type(v) is int and v >= 0, _NUM: _finite, _BOOL: lambda v: type(v) is bool,
-       _STR: lambda v: type(v) is str, _LAYOUT: lambda v: type(v) in (str, list),
-       _LIST: lambda v: type(v) is list, _OBJECT: lambda v: type(v) is dict}
-
-
-def _short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
-
-
-def _check_fields(cfg: dict, src: Path) -> None:
-    """Every field puzzlekit reads has its JSON type and range, so no TypeError surfaces later naming nothing."""
-    for k, want in FIELD_TYPES.items():
-        v = cfg.get(k)
-        if v is not None and not _IS[want](v):
-            raise CheckpointError(f"{src}: config field {k!r} must be {want}, got {_short(v)}; fix it in the config")
-        if v is not None and k in _POSITIVE and v <= 0:
-            raise CheckpointError(f"{src}: config field {k!r} must be > 0, got {v!r}; fix it in the config")
-
-
-def _need(cfg: dict, key: str, src: Path):
-    if key not in cfg or cfg[key] is None:
-        raise CheckpointError(f"{src}: config field {key!r} is missing; it is required for this model")
-    return cfg[key]
-
-
-def _uniform_spec(kind: str, cfg: dict, src: Path) -> OpSpec:
-    try:
-        return _uniform(kind, cfg, src)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{src}: config for the {kind} layers: {e}") from None
-
-
-def _uniform(kind: str, cfg: dict, src: Path) -> OpSpec:
-    g = lambda k: _need(cfg, k, src)
-    hidden, eps = g("hidden_size"), cfg.get("layer_norm_epsilon", 1e-5)
-    if kind == "mamba2":
-        return Mamba2(hidden, g("mamba_num_heads"), g("mamba_head_dim"), g("ssm_state_size"), g("n_groups"),
-                      cfg.get("conv_kernel", 4), cfg.get("chunk_size", 128), cfg.get("use_conv_bias", True),
-                      float(cfg.get("time_step_min", 0.001)), eps)
-    if kind == "moe":
-        return MoE(hidden, g("n_routed_experts"), g("num_experts_per_tok"), g("moe_intermediate_size"),
-                   g("moe_shared_expert_intermediate_size") if cfg.get("n_shared_experts", 1) else 0,
-                   cfg.get("moe_latent_size") or 0, float(cfg.get("routed_scaling_factor", 1.0)),
-                   cfg.get("norm_topk_prob", True), eps)
-    if kind == "attention":
-        heads = g("num_attention_heads")  # 0 is reported by the op's check, not as a ZeroDivisionError
-        return Attention(hidden, heads, cfg.get("num_key_value_heads") or heads,
-                         cfg.get("head_dim") or hidden // max(heads, 1), eps)
-    return MLP(hidden, g("intermediate_size"), eps)
-
-
-def _too_many_layers(src: Path, field: str, n: int) -> CheckpointError:
-    return CheckpointError(f"{src}: {field} declares {n:,} layers, more than the {MAX_LAYERS:,} puzzlekit accepts; "
-                           "is the field (or the file) right?")
-
-
-def _kinds(seq, field: str, src: Path) -> list[str]:
-    if not isinstance(seq, (str, list)):
-        raise CheckpointError(f"{src}: {field} must be a string or a list, got {type(seq).__name__}")
-    if len(seq) > MAX_LAYERS:
-        raise _too_many_layers(src, field, len(seq))
-    out = []
-    for i, t in enumerate(seq):
-        if not isinstance(t, str) or t not in LAYER_TYPES:
-            known = ", ".join(f"{k!r}" for k in LAYER_TYPES)
-            raise CheckpointError(f"{src}: {field} has unknown layer type {_short(t)} at position {i}; known: {known}")
-        out.append(LAYER_TYPES[t])
-    return out
-
-
-def _unsupported(cfg: dict, src: Path):
-    flags = {"attention_bias": False, "mlp_bias": False, "use_bias": False, "mamba_proj_bias": False,
-             "n_group": 1, "topk_group": 1, "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2"}
-    for k, ok in flags.items():
-        if k in cfg and cfg[k] is not None and cfg[k] != ok:
-            raise CheckpointError(f"{src}: config {k}={cfg[k]!r} is not supported (only {ok!r}); "
-                                  "convert the model or file a feature request")
-    if cfg.get("n_shared_experts", 1) not in (0, 1):
-        raise CheckpointError(f"{src}: n_shared_experts={cfg['n_shared_experts']} is not supported (0 or 1)")
-
 
 BLOCK_KINDS = tuple(sorted(k for k, c in OPS.items() if c.is_block))
 
@@ -164,17 +59,17 @@ BLOCK_KINDS = tuple(sorted(k for k, c in OPS.items() if c.is_block))
 def spec_from_dict(d, where: str, kinds=BLOCK_KINDS) -> OpSpec:
     """One op spec from its JSON object; `kinds` are the block types allowed at this place."""
     if not isinstance(d, dict):
-        raise CheckpointError(f"{where} must be an object with a block_type, got {_short(d)}")
+        raise CheckpointError(f"{where} must be an object with a block_type, got {short(d)}")
     d = dict(d)
     kind = d.pop("block_type", None)
     if not isinstance(kind, str) or kind not in kinds:
-        raise CheckpointError(f"{where}: unknown block_type {_short(kind)}; known here: {list(kinds)}")
+        raise CheckpointError(f"{where}: unknown block_type {short(kind)}; known here: {list(kinds)}")
     if kind == "mtp":
         blocks = d.get("blocks", [])
         if not isinstance(blocks, list):
-            raise CheckpointError(f"{where}.blocks must be a list of block objects, got {_short(blocks)}")
+            raise CheckpointError(f"{where}.blocks must be a list of block objects, got {short(blocks)}")
         if len(blocks) > MAX_LAYERS:
-            raise _too_many_layers(where, "blocks", len(blocks))
+            raise too_many_layers(where, "blocks", len(blocks))
         d["blocks"] = tuple(spec_from_dict(b, f"{where}.blocks[{i}]") for i, b in enumerate(blocks))
     try:
         return OPS[kind](**d)
@@ -194,7 +89,7 @@ def spec_to_dict(op: OpSpec) -> dict:
 def _our_layers(cfg: dict, src: Path) -> tuple[list[OpSpec], OpSpec | None]:
     """Per-layer specs from our `block_configs` (and `mtp`) objects."""
     if len(cfg["block_configs"]) > MAX_LAYERS:
-        raise _too_many_layers(src, "block_configs", len(cfg["block_configs"]))
+        raise too_many_layers(src, "block_configs", len(cfg["block_configs"]))
     blocks = [spec_from_dict(d, f"{src}: block_configs[{i}]") for i, d in enumerate(cfg["block_configs"])]
     mtp = spec_from_dict(cfg["mtp"], f"{src}: mtp", ("mtp",)) if "mtp" in cfg else None
     n = cfg.get("num_nextn_predict_layers")
@@ -207,13 +102,13 @@ def _our_layers(cfg: dict, src: Path) -> tuple[list[OpSpec], OpSpec | None]:
 def _hf_layers(cfg: dict, src: Path) -> tuple[list[OpSpec], OpSpec | None]:
     """Uniform specs (one per layer kind) from a Hugging Face `nemotron_h` layout and its MTP fields."""
     if cfg.get("layers_block_type") is not None:
-        kinds = _kinds(cfg["layers_block_type"], "layers_block_type", src)
+        kinds = kinds_of(cfg["layers_block_type"], "layers_block_type", src)
     elif cfg.get("hybrid_override_pattern") is not None:
-        kinds = _kinds(cfg["hybrid_override_pattern"], "hybrid_override_pattern", src)
+        kinds = kinds_of(cfg["hybrid_override_pattern"], "hybrid_override_pattern", src)
     else:
         raise CheckpointError(f"{src}: config needs `layers_block_type` or `hybrid_override_pattern`")
     cache: dict[str, OpSpec] = {}
-    blocks = [cache.setdefault(k, _uniform_spec(k, cfg, src)) for k in kinds]
+    blocks = [cache.setdefault(k, spec_of(k, cfg, src)) for k in kinds]
     n_mtp = cfg.get("num_nextn_predict_layers", 0)
     if n_mtp > 1:
         raise CheckpointError(f"{src}: num_nextn_predict_layers={n_mtp}: only one MTP head is supported")
@@ -221,7 +116,7 @@ def _hf_layers(cfg: dict, src: Path) -> tuple[list[OpSpec], OpSpec | None]:
         return blocks, None
     pattern = cfg.get("mtp_hybrid_override_pattern") or cfg.get("mtp_layers_block_type") or "*E"
     field = "mtp_hybrid_override_pattern" if isinstance(pattern, str) else "mtp_layers_block_type"
-    mblocks = [_uniform_spec(k, cfg, src) for k in _kinds(pattern, field, src)]
+    mblocks = [spec_of(k, cfg, src) for k in kinds_of(pattern, field, src)]
     return blocks, MTP(cfg["hidden_size"], tuple(mblocks), cfg.get("layer_norm_epsilon", 1e-5))
 
 
@@ -276,25 +171,66 @@ def _check_layer_count(cfg: dict, blocks: list, src: Path) -> None:
                               "make them agree")
 
 
-def program_from_config(cfg: dict, src: Path) -> Program:
-    """The Program a config describes (no weights), every field type- and range-checked first."""
+def program_from_config(cfg: dict, src: Path, quant: dict | None = None) -> Program:
+    """The Program a config describes (no weights), every field type- and range-checked first. `quant` is
+    an hf_quant_config.json, used when the config carries no quantization_config."""
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{src}: config must be a JSON object")
-    _check_fields(cfg, src)
+    check_fields(cfg, src)
     c = {k: v for k, v in cfg.items() if v is not None}
-    _unsupported(c, src)
-    hidden, vocab = _need(c, "hidden_size", src), _need(c, "vocab_size", src)
+    check_supported(c, src)
+    hidden, vocab = need(c, "hidden_size", src), need(c, "vocab_size", src)
     for k, v in (("hidden_size", hidden), ("vocab_size", vocab)):
         if v <= 0:
             raise CheckpointError(f"{src}: config field {k!r} must be a positive integer, got {v!r}")
-    blocks, mtp = _our_layers(c, src) if "block_configs" in c else _hf_layers(c, src)
+    form = config_form(c)
+    reader = {"extended": _our_layers, "first": _our_layers, "published": puzzle.read_layers, "nemotron_h": _hf_layers}
+    blocks, mtp = reader[form](c, src)
     _check_layer_count(c, blocks, src)
     eps = c.get("layer_norm_epsilon", 1e-5)
     prog = assemble(Embed(vocab, hidden), blocks, Norm(hidden, eps),
                     LMHead(vocab, hidden, c.get("tie_word_embeddings", False)), mtp,
                     meta={"dtype": _model_dtype(c, src), "config": cfg})
     _check_size(prog, src)
+    quant = c.get("quantization_config", quant)
+    if form in ("published", "nemotron_h") and quant is not None:
+        prog = _with_quantization(prog, quant, src)
     return prog
+
+
+def config_form(cfg: dict) -> str:
+    """Which config this is: "published" (`nemotron_h_puzzle` with NemotronHConfig fields per layer),
+    "extended" (ours), "first" (the first heterogeneous form puzzlekit wrote: `nemotron_h_puzzle` with our
+    attribute names and an `mtp` object) or "nemotron_h" (uniform Hugging Face)."""
+    if cfg.get("model_type") == EXTENDED:
+        return "extended"
+    if "block_configs" not in cfg:
+        return "nemotron_h"
+    first = "mtp" in cfg or any(isinstance(b, dict) and "hidden" in b for b in cfg["block_configs"])
+    return "first" if first else "published"
+
+
+def _with_quantization(prog: Program, qc, src) -> Program:
+    """The program with each linear module's format from a Model Optimizer quantization config."""
+    if not isinstance(qc, dict) or not str(qc.get("quant_method", "modelopt")).lower().startswith("modelopt"):
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise CheckpointError(f"{src}: quantization method {short(method)} is not supported; puzzlekit reads Model "
+                              "Optimizer's (quant_method \"modelopt\")")
+    modules = modelopt.linear_modules(prog)
+    fmts, kv = modelopt.read(qc, list(modules), src)
+    stray = next((m for m in fmts if m not in modules), None)
+    if stray is not None:
+        raise CheckpointError(f"{src}: the quantization config names module {stray!r}, which the model does not have "
+                              "(or which has no 2-D weight); fix the config")
+    per_node: dict[str, dict] = {}
+    for module, fmt in fmts.items():
+        node, local = modules[module]
+        per_node.setdefault(node.path, {})[local] = fmt
+    nodes = [replace(n, op=n.op.replace(quant=per_node[n.path])) if n.path in per_node else n for n in prog.nodes]
+    out = Program(nodes, prog.weights, prog.inputs, prog.outputs, prog.meta)
+    if kv:
+        out.meta["kv_cache_quant_algo"] = kv
+    return out
 
 
 def meta_weights(prog: Program, dtype: torch.dtype = torch.bfloat16) -> Program:
@@ -357,7 +293,7 @@ def _index_map(d: Path) -> dict[str, Path] | None:
         raise CheckpointError(f"{d / INDEX}: has no `weight_map` object")
     bad = next((k for k, v in wm.items() if not isinstance(v, str)), None)
     if bad is not None:
-        raise CheckpointError(f"{d / INDEX}: weight_map[{bad!r}] must be a file name, got {_short(wm[bad])}")
+        raise CheckpointError(f"{d / INDEX}: weight_map[{bad!r}] must be a file name, got {short(wm[bad])}")
     files = {v: _shard(d, v, d / INDEX) for v in sorted(set(wm.values()))}
     return {k: files[v] for k, v in wm.items()}
 
@@ -463,7 +399,9 @@ def load(path, check_finite: bool = False) -> Program:
         raise CheckpointError(f"{path} does not exist; pass a checkpoint directory or a config.json")
     if not cfg_file.exists():
         raise CheckpointError(f"{path} has no config.json; a checkpoint directory needs one")
-    prog = program_from_config(_read_json(cfg_file), cfg_file)
+    hf_quant = d / modelopt.HF_QUANT_CONFIG if d is not None else None
+    prog = program_from_config(_read_json(cfg_file), cfg_file,
+                               _read_json(hf_quant) if hf_quant is not None and hf_quant.exists() else None)
     spec_problems = [p for p in problems(prog) if "weight" not in p]
     if spec_problems:
         raise CheckpointError(f"{cfg_file} describes an inconsistent model:\n  " + "\n  ".join(spec_problems))
@@ -489,8 +427,20 @@ def load(path, check_finite: bool = False) -> Program:
 
 
 # -- save ------------------------------------------------------------------------------------------------
-def config_of(prog: Program) -> dict:
-    """Our heterogeneous config: per-block `block_configs` plus the model-level fields."""
+def _producer() -> dict:
+    try:
+        from importlib.metadata import version
+        return {"name": "puzzlekit", "version": version("puzzlekit")}
+    except Exception:  # not installed (run from a checkout)
+        return {"name": "puzzlekit", "version": "unknown"}
+
+
+def configs(prog: Program, extended: bool = False) -> tuple[dict, dict | None]:
+    """(config.json, hf_quant_config.json or None) of a program.
+
+    The published `nemotron_h_puzzle` schema with Model Optimizer's quantization config, or with
+    `extended` puzzlekit's own form (`puzzlekit_nemotron_h`: every block kind, our attribute names, the
+    quantization recorded per block), which no serving engine reads."""
     emb, head, norm = prog.find("embed"), prog.find("lm_head"), prog.find("norm")
     if len(emb) != 1 or len(head) != 1 or len(norm) != 1:
         raise CheckpointError("save: only programs with one embed, norm and lm_head can be saved")
@@ -501,9 +451,7 @@ def config_of(prog: Program) -> dict:
     mtp = prog.find("mtp")
     kept = {k: v for k, v in prog.meta.get("config", {}).items()
             if k in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")}
-    return {
-        "architectures": ["NemotronHPuzzleForCausalLM"],
-        "model_type": FORMAT,
+    common = {
         **kept,
         "vocab_size": emb[0].op.vocab,
         "hidden_size": emb[0].op.hidden,
@@ -511,35 +459,34 @@ def config_of(prog: Program) -> dict:
         "tie_word_embeddings": head[0].op.tied,
         "dtype": prog.meta.get("dtype", "float32"),
         "num_hidden_layers": len(prog.blocks()),
-        "num_nextn_predict_layers": len(mtp),
-        "block_configs": [spec_to_dict(b.op) for b in prog.blocks()],
-        "mtp": spec_to_dict(mtp[0].op) if mtp else None,
-        **({"quantization_config": quantization_config(prog)} if any(n.op.quant for n in prog.nodes) else {}),
-        **({"provenance": prog.meta["provenance"]} if prog.meta.get("provenance") else {}),
     }
+    provenance = {"provenance": prog.meta["provenance"]} if prog.meta.get("provenance") else {}
+    if extended:
+        return {"architectures": [EXTENDED_ARCHITECTURE], "model_type": EXTENDED, **common,
+                "num_nextn_predict_layers": len(mtp), "block_configs": [spec_to_dict(b.op) for b in prog.blocks()],
+                "mtp": spec_to_dict(mtp[0].op) if mtp else None, **provenance}, None
+    layers = puzzle.layers_config([b.op for b in prog.blocks()], mtp[0].op if mtp else None, norm[0].op.eps)
+    hf_quant = modelopt.hf_quant_config(prog, _producer())
+    cfg = {"architectures": [puzzle.ARCHITECTURE], "model_type": puzzle.MODEL_TYPE, **common, **layers,
+           **({"quantization_config": modelopt.inline_config(hf_quant)} if hf_quant else {}), **provenance}
+    _check_reads_back(prog, cfg)
+    return cfg, hf_quant
 
 
-def quantization_config(prog: Program) -> dict:
-    """The serving engines' quantization config: algorithm per quantised module, group size, exclusions."""
-    layers, algos, excluded = {}, set(), []
-    for n in prog.nodes:
-        quant = dict(n.op.quant)
-        for local, shape in n.op.params().items():
-            if len(shape) != 2 or local.endswith("norm.weight"):
-                continue
-            module = f"{n.path}.{local.rsplit('.', 1)[0]}" if "." in local else n.path
-            fmt = quant.get(local)
-            if fmt is None:
-                excluded.append(module)
-                continue
-            algo = {"fp8": "FP8", "fp8-weight": "FP8_WEIGHT_ONLY", "nvfp4": "NVFP4",
-                    "nvfp4-weight": "NVFP4_WEIGHT_ONLY"}[fmt]
-            algos.add(algo)
-            layers[module] = {"quant_algo": algo, **({"group_size": 16} if fmt.startswith("nvfp4") else {})}
-    return {"quant_method": "modelopt", "producer": "puzzlekit",
-            "quant_algo": algos.pop() if len(algos) == 1 else "MIXED_PRECISION",
-            "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": sorted(excluded),
-            "quantized_layers": layers}
+def _check_reads_back(prog: Program, cfg: dict) -> None:
+    """The published config describes exactly this program (specs and quantization), or save refuses."""
+    back = program_from_config(json.loads(json.dumps(cfg)), Path("config.json"))
+    for a, b in zip(prog.nodes, back.nodes):
+        if a.op != b.op:
+            raise puzzle.Unpublishable(f"save: {a.path} ({a.op.kind}) does not survive the published schema (it reads "
+                                       f"back as {b.op}); save with extended=True (CLI: --extended)")
+    if prog.meta.get("kv_cache_quant_algo") != back.meta.get("kv_cache_quant_algo"):
+        raise puzzle.Unpublishable("save: the KV cache format does not survive the quantization config")
+
+
+def config_of(prog: Program, extended: bool = False) -> dict:
+    """The config.json `save` writes."""
+    return configs(prog, extended)[0]
 
 
 def _stored_tensors(name: str, value) -> dict:
@@ -552,14 +499,20 @@ def _stored_tensors(name: str, value) -> dict:
     return out
 
 
-def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> Path:
-    """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`), atomically.
+def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
+         extended: bool = False) -> Path:
+    """Writes config.json (+ hf_quant_config.json) + safetensors (sharded with an index past
+    `max_shard_bytes`), atomically.
 
-    Tensors are written exactly as stored (dtype and bytes), so save -> load -> save is byte-identical.
-    Lazy tensors are read one shard at a time, so a checkpoint larger than memory streams through.
+    The config follows the published `nemotron_h_puzzle` schema, which vLLM, TensorRT-LLM and llama.cpp
+    load; a program it cannot express (noop or linear blocks, Mamba layers that differ, an MTP head with
+    other blocks than attention and MoE, FP8 weight-only quantization) is refused, naming the layer,
+    unless `extended` asks for puzzlekit's own form. Tensors are written exactly as stored (dtype and
+    bytes), so save -> load -> save is byte-identical. Lazy tensors are read one shard at a time, so a
+    checkpoint larger than memory streams through.
     """
     path = Path(path)
-    cfg = config_of(prog)
+    cfg, hf_quant = configs(prog, extended)
     found = problems(prog)
     if found:
         raise CheckpointError("save: the program does not verify:\n  " + "\n  ".join(found))
@@ -572,6 +525,8 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
     with staged_dir(path, overwrite, prog.input_paths(), need_bytes=0 if metas else sum(w.nbytes(k) for k in names)) as tmp:
         (tmp / "config.json").write_text(json.dumps({**cfg, **({"meta_only": True} if metas else {})}, indent=2)
                                          + "\n")
+        if hf_quant:
+            (tmp / modelopt.HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
         if not metas:
             shards, cur, size = [], [], 0
             for k in names:

@@ -83,14 +83,14 @@ def logits(prog, ids):
 def good(tmp_path_factory, make_small_program) -> Path:
     """The small program saved in one file (read-only: tests copy it)."""
     d = tmp_path_factory.mktemp("good") / "ckpt"
-    ir.save(make_small_program(), d)
+    ir.save(make_small_program(), d, extended=True)
     return d
 
 
 @pytest.fixture(scope="module")
 def good_sharded(tmp_path_factory, make_small_program) -> Path:
     d = tmp_path_factory.mktemp("good") / "sharded"
-    ir.save(make_small_program(), d, max_shard_bytes=4000)
+    ir.save(make_small_program(), d, max_shard_bytes=4000, extended=True)
     return d
 
 
@@ -276,7 +276,7 @@ def test_float_tensor_in_another_dtype_is_cast_on_read(tmp_path, small_program, 
             if local not in n.op.fp32_params():
                 prog.weights.set(full, prog.weights.get(full).to(model_dt))
     prog.meta["dtype"] = model
-    ir.save(prog, tmp_path / "a")
+    ir.save(prog, tmp_path / "a", extended=True)
     edit_tensors(tmp_path / "a" / "model.safetensors", lambda ts: ts.__setitem__(UP, ts[UP].to(stored_dt)))
     before = digest(tmp_path / "a")
     with warnings.catch_warnings(record=True) as caught:
@@ -302,7 +302,7 @@ def test_widening_a_float32_only_weight_is_silent(tmp_path, small_program, ids):
     prog = small_program.copy()
     prog.weights.set(GATE, prog.weights.get(GATE).to(torch.bfloat16))
     edited = tmp_path / "a"
-    ir.save(small_program, edited)
+    ir.save(small_program, edited, extended=True)
     edit_tensors(edited / "model.safetensors", lambda ts: ts.__setitem__(GATE, ts[GATE].to(torch.bfloat16)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -356,7 +356,7 @@ BAD_HF_FIELDS = [  # (changes, parts of the message)
     ({"layer_norm_epsilon": float("nan")}, ["'layer_norm_epsilon'", "finite"]),
     ({"layer_norm_epsilon": 10**400}, ["'layer_norm_epsilon'", "finite"]),
     ({"routed_scaling_factor": float("inf")}, ["'routed_scaling_factor'", "finite"]),
-    ({"time_step_min": 0}, ["'time_step_min'", "> 0"]),
+    ({"time_step_min": -0.001}, ["'time_step_min'", ">= 0"]),
     ({"time_step_min": "0.001"}, ["'time_step_min'", "number"]),
     ({"tie_word_embeddings": "false"}, ["'tie_word_embeddings'", "true or false"]),
     ({"torch_dtype": "int64"}, ["'torch_dtype'", "int64"]),

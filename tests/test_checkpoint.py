@@ -1,10 +1,8 @@
 """Checkpoint IO: byte-exact round trips, sharding, the real configs as meta programs, and bad inputs."""
 from __future__ import annotations
 
-import copy
 import importlib
 import json
-import math
 import time
 import tracemalloc
 from pathlib import Path
@@ -67,7 +65,7 @@ def logits(prog: ir.Program, ids: torch.Tensor):
 
 
 def saved(prog, d: Path, **kw) -> Path:
-    ir.save(prog, d, **kw)
+    ir.save(prog, d, **kw, extended=True)
     return d
 
 
@@ -508,9 +506,9 @@ def test_save_refuses_a_non_empty_directory_unless_overwrite(tmp_path, small_pro
     d.mkdir()
     (d / "notes.txt").write_text("keep me")
     with pytest.raises(OutputError, match="overwrite=True"):
-        ir.save(small_program, d)
+        ir.save(small_program, d, extended=True)
     assert dir_bytes(d) == {"notes.txt": b"keep me"}
-    ir.save(small_program, d, overwrite=True)
+    ir.save(small_program, d, overwrite=True, extended=True)
     assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"]
     assert ir.print_program(ir.load(d)) == ir.print_program(small_program)
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp or trash dirs left behind
@@ -519,7 +517,7 @@ def test_save_refuses_a_non_empty_directory_unless_overwrite(tmp_path, small_pro
 def test_save_into_an_existing_empty_directory(tmp_path, small_program):
     d = tmp_path / "out"
     d.mkdir()
-    ir.save(small_program, d)
+    ir.save(small_program, d, extended=True)
     assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
@@ -529,7 +527,7 @@ def test_save_onto_an_existing_file_is_an_output_error(tmp_path, small_program):
     f.write_text("a file, not a directory")
     for overwrite in (False, True):
         with pytest.raises(OutputError, match="is a file"):
-            ir.save(small_program, f, overwrite=overwrite)
+            ir.save(small_program, f, overwrite=overwrite, extended=True)
         assert f.read_text() == "a file, not a directory"
 
 
@@ -541,14 +539,14 @@ def test_save_refuses_its_own_input(tmp_path, small_program, shard):
     loaded = ir.load(src)
     for target in (src, tmp_path, tmp_path / "src" / ".." / "src"):
         with pytest.raises(OutputError, match="would replace the input"):
-            ir.save(loaded, target, overwrite=True, **kw)
+            ir.save(loaded, target, overwrite=True, **kw, extended=True)
         assert dir_bytes(src) == before
     # also when only some of its tensors still come from there
     partly = loaded.copy()
     name = "backbone.layers.4.mixer.up_proj.weight"
     partly.weights.set(name, partly.weights.get(name).clone())
     with pytest.raises(OutputError, match="would replace the input"):
-        ir.save(partly, src, overwrite=True, **kw)
+        ir.save(partly, src, overwrite=True, **kw, extended=True)
     assert dir_bytes(src) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     # and the program still reads its (untouched) tensors
@@ -574,7 +572,7 @@ def test_failed_save_leaves_no_partial_output(tmp_path, small_program, monkeypat
     (parent / "other").write_text("x")
     target = parent / "model"
     with pytest.raises(OSError, match="No space left"):
-        ir.save(small_program, target, max_shard_bytes=4000)
+        ir.save(small_program, target, max_shard_bytes=4000, extended=True)
     assert len(calls) == fail_at
     assert not target.exists()
     assert sorted(p.name for p in parent.iterdir()) == ["other"]
@@ -589,7 +587,7 @@ def test_failed_overwrite_keeps_the_old_checkpoint(tmp_path, small_program, make
 
     monkeypatch.setattr(ckpt_module, "save_file", broken)
     with pytest.raises(RuntimeError, match="disk on fire"):
-        ir.save(small_program, target, overwrite=True)
+        ir.save(small_program, target, overwrite=True, extended=True)
     assert dir_bytes(target) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
@@ -608,6 +606,6 @@ def test_save_refuses_a_mix_of_meta_and_real_tensors(tmp_path, make_small_progra
     prog = make_small_program()
     prog.weights.set_meta("backbone.layers.4.mixer.up_proj.weight", (48, 32), torch.float32)
     with pytest.raises(CheckpointError, match="meta"):
-        ir.save(prog, tmp_path / "mixed")
+        ir.save(prog, tmp_path / "mixed", extended=True)
     assert not (tmp_path / "mixed").exists()
     assert list(tmp_path.iterdir()) == []

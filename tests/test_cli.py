@@ -40,7 +40,12 @@ def test_inspect_meta_config(capsys):
 
 def test_run_drop_blocks_then_inspect(tmp_path, capsys):
     out = tmp_path / "pruned"
-    assert main(["run", "--pipeline", "verify,drop-blocks{layers=[2]}", "-o", str(out), "--verify-each"]) == 0
+    # a noop layer is outside the published schema: refused, naming the layer and the way out, nothing written
+    assert main(["run", "--pipeline", "drop-blocks{layers=[2]}", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "backbone.layers.2" in err and "'noop'" in err and "--extended" in err and not out.exists()
+    assert main(["run", "--pipeline", "verify,drop-blocks{layers=[2]}", "-o", str(out), "--verify-each",
+                 "--extended"]) == 0
     capsys.readouterr()
     assert main(["inspect", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -229,9 +229,12 @@ def test_export_layout_and_exact_reload(base, tmp_path):
     assert f.get_tensor("backbone.layers.0.mixer.in_proj.weight").dtype == torch.float8_e4m3fn
     assert f.get_tensor("backbone.layers.3.mixer.q_proj.weight").dtype == torch.float32
     cfg = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert cfg["quant_algo"] == "MIXED_PRECISION" and cfg["group_size"] == 16
+    assert cfg["quant_method"] == "modelopt" and cfg["quant_algo"] == "MIXED_PRECISION"
     assert cfg["quantized_layers"][e] == {"quant_algo": "NVFP4", "group_size": 16}
-    assert "backbone.layers.3.mixer.q_proj" in cfg["exclude_modules"] and "lm_head" in cfg["exclude_modules"]
+    assert cfg["quantized_layers"]["backbone.layers.0.mixer.in_proj"] == {"quant_algo": "FP8"}
+    assert "backbone.layers.3.mixer.q_proj" not in cfg["quantized_layers"] and "lm_head" not in cfg["quantized_layers"]
+    hf = json.loads((tmp_path / "q" / "hf_quant_config.json").read_text())
+    assert hf["quantization"]["quantized_layers"] == cfg["quantized_layers"]
     again = ir.load(tmp_path / "q")
     ir.verify(again)
     ir.save(again, tmp_path / "q2")

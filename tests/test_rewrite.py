@@ -292,7 +292,7 @@ def test_copy_is_independent(small_program, ids):
 
 
 def test_copy_of_a_loaded_program_is_independent(small_program, tmp_path):
-    ir.save(small_program, tmp_path / "ckpt")
+    ir.save(small_program, tmp_path / "ckpt", extended=True)
     loaded = ir.load(tmp_path / "ckpt")
     twin = loaded.copy()
     twin.rewrite("backbone.layers.0", op=Noop(32))
@@ -301,7 +301,7 @@ def test_copy_of_a_loaded_program_is_independent(small_program, tmp_path):
     ir.verify(loaded)
     ir.verify(twin)
     assert loaded.node("backbone.layers.0").op.kind == "mamba2"
-    ir.save(twin, tmp_path / "twin")  # the copy still reads its lazy tensors
+    ir.save(twin, tmp_path / "twin", extended=True)  # the copy still reads its lazy tensors
     again = ir.load(tmp_path / "twin")
     assert again.node("backbone.layers.0").op.kind == "noop"
     assert torch.equal(again.weights.get("lm_head.weight"), small_program.weights.get("lm_head.weight"))

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import PuzzlekitError
 from ..outputs import OutputError, check_output
 from .puzzle import add_parser as add_library_parser
-from .puzzle import add_plan_parser
+from .puzzle import EXTENDED_HELP, add_plan_parser
 
 
 class UsageError(PuzzlekitError):
@@ -163,7 +163,7 @@ def _run(args) -> int:
         "input_provenance": prog.meta.get("config", {}).get("provenance"),
         **({"plan": prog.meta["plan"]} if prog.meta.get("plan") else {}),
     }
-    ir.save(prog, out, overwrite=args.overwrite)
+    ir.save(prog, out, overwrite=args.overwrite, extended=args.extended)
     after = prog.param_counts()
     text = "".join(f"{t * 1000:9.1f} ms  {name}\n" for name, t in ins.timings)
     text += f"params {before['total']:,} -> {after['total']:,} (active {before['active']:,} -> {after['active']:,})\n"
@@ -343,6 +343,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--verify-each", action="store_true", help="run the verifier after every pass")
     r.add_argument("--print-ir-after", action="store_true", help="print the IR after every pass (stderr)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    r.add_argument("--extended", action="store_true", help=EXTENDED_HELP)
     r.set_defaults(run=_run)
 
     t = sub.add_parser("train", help="train the default hybrid architecture on byte-level text (resumable)")

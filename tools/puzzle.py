@@ -4,6 +4,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+#: help of --extended (run, plan)
+EXTENDED_HELP = ("write puzzlekit's extended form (puzzlekit_nemotron_h) for programs the published nemotron_h_puzzle "
+                 "schema cannot express (noop or linear blocks, Mamba layers that differ); no serving engine loads it")
 #: size classes of the summary: a variant's parameters as a share of its parent block's, at most
 SIZE_CLASSES = ((0.25, "<=25%"), (0.5, "<=50%"), (0.75, "<=75%"), (0.999999, "<100%"))
 
@@ -86,7 +89,7 @@ def run_plan(args) -> int:
         child = search.child(search.rows_of(plan), weights=not lib.weightless)
         child.meta["provenance"] = {"plan": plan.to_json(), "library": str(lib.path),
                                     "parent": lib.manifest["parent"]["hash"]}
-        ir.save(child, args.output, overwrite=args.overwrite)
+        ir.save(child, args.output, overwrite=args.overwrite, extended=args.extended)
     rows = [("layer", "parent", "child")] + [
         (str(p["layer"]), lib.rows[[r["layer"] for r in lib.rows].index(p["layer"])]["kind"], p["id"])
         for p in plan.layers]
@@ -124,5 +127,6 @@ def add_plan_parser(sub, positive_int, positive_float):
     p.add_argument("--min-distance", type=positive_int, default=1, help="layers each alternative differs in")
     p.add_argument("--output", "-o", help="write the child checkpoint here")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--extended", action="store_true", help=EXTENDED_HELP)
     p.set_defaults(run=run_plan)
     return p

@@ -17,12 +17,13 @@ def _stored_bytes(shape, fmt: str) -> int:
 
 
 def quantize_checkpoint(src, dst, recipe: str = "fp8", calib: str = "amax", act_amax: dict | None = None,
-                        max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
+                        max_shard_bytes: int | None = None, overwrite: bool = False, extended: bool = False) -> Path:
     """Reads `src` lazily, quantises each weight when its shard is written, writes `dst` atomically.
 
     Peak memory is about one output shard plus one source tensor; shards default to the size of the
     largest tensor. Recipes with activation formats need `act_amax` ({module path: amax}, e.g. from
-    calibrate.activation_amax on a machine that can run the model); weight-only recipes do not.
+    calibrate.activation_amax on a machine that can run the model); weight-only recipes do not. `extended`
+    writes puzzlekit's extended form (see `ir.save`).
     """
     prog = ir.load(src)
     rec = get_recipe(recipe)
@@ -45,5 +46,5 @@ def quantize_checkpoint(src, dst, recipe: str = "fp8", calib: str = "amax", act_
                 new[f"{local.rsplit('.', 1)[0]}.input_scale"] = input_scale(act_amax[module], act)
         out.rewrite(node, op=node.op.replace(quant=dict(node.op.quant) | params), weights=new)
     largest = max(source.nbytes(n) for n in source.names())
-    return ir.save(out, dst, max_shard_bytes=max_shard_bytes or largest, overwrite=overwrite)
+    return ir.save(out, dst, max_shard_bytes=max_shard_bytes or largest, overwrite=overwrite, extended=extended)
 
