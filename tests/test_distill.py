@@ -255,3 +255,29 @@ def test_iterative_puzzle_moves_the_bound_in_rounds_and_rescores_from_the_curren
     assert len(am.reports["distill"]) == 2
     ir.verify(prog)
     assert prog.find("mtp")
+
+
+def test_every_option_of_a_later_round_is_sliced_from_the_current_block_to_its_spec(small_library, parent):
+    """From a child that already took a shrink in every layer, each reachable variant's weights fit its spec
+    (coupled axes included: dropping a KV group drops its query heads), and keeping the block keeps them."""
+    from puzzlekit.passes.puzzle.bld import block_module
+    from puzzlekit.passes.puzzle.importance import compute_importance
+    from puzzlekit.passes.puzzle.rounds import candidate_weights, candidates
+    from puzzlekit.passes.puzzle.search import realise
+
+    lib = small_library
+    first = {}
+    for r in lib.rows:
+        if r["steps"] and r["layer"] not in first:
+            first[r["layer"]] = r
+    child = realise(parent.copy(), lib, list(first.values()))
+    ranks = compute_importance(child, torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)))
+    options = candidates(lib, child)
+    assert {r["layer"] for r in options} == set(range(len(child.blocks())))
+    for r in options:
+        block_module(lib.spec(r), candidate_weights(lib, r, child, ranks["layers"]))  # strict load: shapes fit
+        if r in first.values():
+            node = child.blocks()[r["layer"]]
+            kept = candidate_weights(lib, r, child, ranks["layers"])
+            assert all(torch.equal(kept[k], v) for k, v in child.node_weights(node).items())
+    assert not any(r["id"] == "parent" and r["layer"] in first for r in options)  # nothing grows back

@@ -19,19 +19,35 @@ from .library import Library, _keep
 from .score import Scorer
 
 
-def within(spec: OpSpec, current: OpSpec) -> bool:
-    """Whether `spec` is `current` or a shrink of it (replacements: noop fits in anything, linear in any
-    block but noop)."""
+def steps_to(current: OpSpec, target: OpSpec) -> list[tuple[str, int]] | None:
+    """The shrinks that take `current` to `target` (each axis in the order the op applies them, cut to the
+    target's size), or None when no such sequence exists: another kind, a larger axis, or coupled axes
+    that land elsewhere (dropping a KV group also drops its query heads)."""
+    if target.kind != current.kind:
+        return None
+    steps, op = [], current
+    for axis in current.axes():
+        n, size = target.axes()[axis].size, op.axes()[axis].size
+        if n > size:
+            return None
+        if n < size:
+            steps.append((axis, n))
+            op = op.resized(axis, n)
+    return steps if spec_to_dict(op) == spec_to_dict(target) else None
+
+
+def reachable(spec: OpSpec, current: OpSpec) -> bool:
+    """Whether a layer whose block is `current` may take `spec` now: a shrink of it (or itself), noop, or
+    linear in place of anything but noop."""
     if spec.kind != current.kind:
         return spec.kind == "noop" or (spec.kind == "linear" and current.kind != "noop")
-    mine = spec.axes()  # variants of one layer differ only along its axes
-    return all(mine[a].size <= ax.size for a, ax in current.axes().items())
+    return steps_to(current, spec) is not None
 
 
 def candidates(lib: Library, prog: Program) -> list[dict]:
     """The library rows each layer of `prog` may take now."""
     blocks = prog.blocks()
-    return [r for r in lib.rows if within(lib.spec(r), blocks[r["layer"]].op)]
+    return [r for r in lib.rows if reachable(lib.spec(r), blocks[r["layer"]].op)]
 
 
 def candidate_weights(lib: Library, row: dict, prog: Program, ranks: dict) -> dict[str, torch.Tensor]:
@@ -39,15 +55,11 @@ def candidate_weights(lib: Library, row: dict, prog: Program, ranks: dict) -> di
     or the library's for a replacement the current block is not."""
     node = prog.blocks()[row["layer"]]
     spec = lib.spec(row)
-    if spec_to_dict(spec) == spec_to_dict(node.op):
-        return {k: v.detach().clone() for k, v in prog.node_weights(node).items()}
     if spec.kind != node.op.kind:
         return lib.weights(row)
-    cur, w = node.op, {k: v.float() for k, v in prog.node_weights(node).items()}
-    for axis, n in row["steps"]:
-        ax = cur.axes()[axis]
-        if n < ax.size:
-            cur, w = cur.shrink(axis, _keep(ax, ranks.get(node.path, {}).get(axis), n), w)
+    cur, w = node.op, {k: v.detach().clone().float() for k, v in prog.node_weights(node).items()}
+    for axis, n in steps_to(node.op, spec):
+        cur, w = cur.shrink(axis, _keep(cur.axes()[axis], ranks.get(node.path, {}).get(axis), n), w)
     return w
 
 
