@@ -21,6 +21,7 @@ class Instrumentation:
     print_ir_after: bool = False
     progress: bool = False  # show progress bars for long passes (see `progress`)
     out: object = None  # where IR dumps go (default: stderr)
+    stages: object = None  # a stages.StageCheckpoints: save after each pass, skip what an earlier run finished
     timings: list[tuple[str, float]] = field(default_factory=list)
 
 
@@ -45,6 +46,9 @@ class PassManager:
         ins = self.instrument
         for p in passes:
             label = print_pipeline([p])
+            if ins.stages is not None and not p.nested and ins.stages.skip(label, prog, am):
+                ran.append(label)
+                continue
             start = time.perf_counter()
             heads = len(prog.find("mtp"))
             try:
@@ -65,6 +69,8 @@ class PassManager:
                                 f"  passes run before it: {', '.join(ran) or 'none'}") from e
             ins.timings.append((label, time.perf_counter() - start))
             ran.append(label)
+            if ins.stages is not None and not p.nested:
+                ins.stages.save(label, prog, am)
             if ins.print_ir_after:
                 print(f"// IR after {label}\n{print_program(prog)}", file=ins.out or sys.stderr)
 

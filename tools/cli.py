@@ -15,6 +15,7 @@ from ..errors import PuzzlekitError
 from ..outputs import OutputError, check_output
 from .puzzle import add_parser as add_library_parser
 from .puzzle import EXTENDED_HELP, add_plan_parser
+from .compress import add_parsers as add_compress_parsers
 
 
 class UsageError(PuzzlekitError):
@@ -397,11 +398,12 @@ def parser() -> argparse.ArgumentParser:
 
     lb = add_library_parser(sub, model_help, positive_int, positive_float)
     pl = add_plan_parser(sub, positive_int, positive_float)
+    cp, rp = add_compress_parsers(sub, model_help, positive_int, positive_float)
 
     for cmd in (s, r):
         cmd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                          help="import MODULE first (it may register passes); repeatable")
-    for cmd in (i, s, r, t, e, c, x, g, lb, pl):
+    for cmd in (i, s, r, t, e, c, x, g, lb, pl, cp, rp):
         cmd.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return p
 

@@ -43,7 +43,7 @@ def load_grid(path=None) -> dict:
     """{kind: {axis: [values]}, "replacements": [...]} from a TOML file or a shipped grid's name (`default`,
     `planning`), checked for shape and types."""
     path = Path(path) if path else DEFAULT_GRID
-    if not path.exists() and DEFAULT_GRID.with_name(f"{path}-grid.toml").exists():
+    if not path.exists() and path.name == str(path) and DEFAULT_GRID.with_name(f"{path}-grid.toml").exists():
         path = DEFAULT_GRID.with_name(f"{path}-grid.toml")
     try:
         raw = tomllib.loads(read_text(path, "grid", GridError))

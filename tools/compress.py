@@ -1,0 +1,299 @@
+"""`puzzlekit compress`: a model and a deployment target in; a compressed, recovered, quantised model, its
+deployment artifacts and a report out.
+
+It fills in tools/pipelines/compress.pipeline (or the user's copy) and runs it with stage checkpoints, then
+writes the outputs, each skipped when a rerun finds it done:
+
+    OUT/work/        stage checkpoints and distillation state (a rerun after a kill continues from here)
+    OUT/library/     the block library (unless --library names an existing one)
+    OUT/model/       the child checkpoint
+    OUT/plan.json    the chosen architecture, the search's frontier and the measured figures
+    OUT/bundle/      the target's deployment bundle (ONNX graphs, engine build files)
+    OUT/report/      report.md and its plots
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import string
+import time
+from pathlib import Path
+
+from ..errors import PuzzlekitError
+
+QUICK = {"library": "calib_windows=8,score_windows=2,seq=64,bld_tokens=4096",
+         "distill": "batch=4,seq=64,lr=1e-3,eval_every=10,eval_windows=2,checkpoint_every=5",
+         "mtp": "prompts=2,new_tokens=16", "steps": 20, "head_steps": 10}
+FULL = {"library": "calib_windows=64,score_windows=16,seq=256,bld_tokens=65536",
+        "distill": "batch=8,seq=128,lr=1e-3,eval_every=50,eval_windows=8,checkpoint_every=25",
+        "mtp": "prompts=8,new_tokens=32", "steps": 300, "head_steps": 100}
+CONSTRAINTS = ("speedup", "decode_ms", "prefill_s", "concurrency", "context", "max_params", "max_active")
+
+
+def deploy_recipe(target: str) -> str:
+    """The precision a target deploys in: NVFP4 where it has FP4 math, else FP8, else none (cpu)."""
+    from ..backends.targets import get_target
+
+    t = get_target(target)
+    return "nvfp4" if t.supports("nvfp4") else "fp8" if t.supports("fp8") else ""
+
+
+def pipeline_text(template: str, args, out: Path, library: Path) -> str:
+    """The template with its $names filled in from the command's options."""
+    budget = QUICK if args.quick else FULL
+    steps = args.steps or budget["steps"]
+    rounds = args.iterative
+    constraints = [f"{k}={getattr(args, k)}" for k in CONSTRAINTS if getattr(args, k)]
+    constraints += [f"keep=[{','.join(args.keep)}]"] if args.keep else []
+    if not any(getattr(args, k) for k in CONSTRAINTS if k != "context") and not args.max_params:
+        raise PuzzlekitError("compress needs a deployment target: --speedup, --decode-ms, --prefill-s, "
+                             "--concurrency, --max-params or --max-active")
+    recipe = deploy_recipe(args.target)
+    values = {"library": library, "library_budget": budget["library"] + (f",grid={args.grid}" if args.grid else ""),
+              "rounds": rounds, "target": args.target, "scenario": args.scenario, "constraints": ",".join(constraints),
+              "round_steps": max(1, math.ceil(steps / rounds)), "distill_budget": budget["distill"],
+              "work": out / "work", "head_steps": args.head_steps or budget["head_steps"],
+              "mtp_tolerance": args.mtp_tolerance if args.mtp_tolerance is not None else 1.0 if args.quick else 0.1,
+              "mtp_budget": budget["mtp"],
+              "quantize": f"quantize{{recipe={recipe},target={args.target}}}" if recipe else "verify"}
+    try:
+        return string.Template(template).substitute({k: str(v) for k, v in values.items()})
+    except (KeyError, ValueError) as e:
+        raise PuzzlekitError(f"the compress pipeline uses an unknown ${e.args[0] if e.args else ''} name; "
+                             f"known: {', '.join(sorted(values))}") from None
+
+
+def _done(out: Path, name: str) -> bool:
+    return (out / "work" / f"{name}.done").exists()
+
+
+def _mark(out: Path, name: str, info: dict) -> None:
+    f = out / "work" / f"{name}.done"
+    tmp = f.with_name(f".{f.name}.tmp")
+    tmp.write_text(json.dumps(info, indent=1, default=float) + "\n")
+    os.replace(tmp, f)
+
+
+def compress(args, progress: bool = True) -> dict:
+    """Runs every stage that has not finished; returns the summary (also OUT/work/summary.json)."""
+    from .. import ir
+    from ..errors import read_text
+    from ..passes import Instrumentation, PassManager, parse_pipeline, print_pipeline, resolve_pipeline
+    from ..passes.pipeline import PIPELINES_DIR
+    from ..passes.puzzle.library import parent_hash
+    from ..passes.stages import StageCheckpoints
+    from .default_model import model_path
+
+    out = Path(args.output)
+    src = model_path(args.model).resolve()
+    if out.resolve() == src or src in out.resolve().parents or out.resolve() in src.parents:
+        raise PuzzlekitError(f"-o {out} would write into or around the input model {src}; choose another directory")
+    out.mkdir(parents=True, exist_ok=True)
+    library = Path(args.library) if args.library else out / "library"
+    template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
+    template = " ".join(ln.split("#", 1)[0].strip() for ln in read_text(template_file, "pipeline", PuzzlekitError)
+                        .splitlines())
+    text = pipeline_text(template, args, out, library)
+    passes = parse_pipeline(resolve_pipeline(text))
+    parent = ir.load(src)
+    prog = parent.copy()
+    stages = StageCheckpoints(out / "work" / "stages", parent_hash(parent))
+    ins = Instrumentation(progress=progress, stages=stages)
+    t0 = time.perf_counter()
+    am = PassManager(passes, ins).run(prog)
+    clock = {"pipeline": time.perf_counter() - t0, **{label: s for label, s in ins.timings}}
+    summary = {"pipeline": print_pipeline(passes), "resumed_at_pass": stages.resume_at, "passes": stages.count,
+               "reports": am.reports, "seconds": clock, "model": str(src), "target": args.target,
+               "scenario": args.scenario, "parent_params": parent.param_counts()["total"]}
+    summary["outputs"] = write_outputs(prog, parent, args, out, library)
+    _write_json(out / "work" / "summary.json", summary)
+    from .report import write_report
+
+    summary["report"] = str(write_report(out))
+    return summary
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=float) + "\n")
+    os.replace(tmp, path)
+
+
+def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
+    """The child checkpoint, plan.json (with the search's frontier and measured figures) and the bundle;
+    each skipped when an earlier run wrote it."""
+    from .. import ir
+    from ..ir.nemotron_h_puzzle import Unpublishable
+
+    done = {}
+    if not _done(out, "model"):
+        try:
+            ir.save(prog, out / "model", overwrite=True)
+            form = "published nemotron_h_puzzle"
+        except Unpublishable as e:  # noop / linear layers: no serving engine's schema holds them
+            ir.save(prog, out / "model", overwrite=True, extended=True)
+            form = f"puzzlekit extended form ({str(e).split(';')[0].removeprefix('save: ')})"
+        _mark(out, "model", {"form": form})
+    done["model"] = json.loads((out / "work" / "model.done").read_text())
+    if not _done(out, "plan"):
+        plan = {"plan": prog.meta.get("plan"), "frontier": frontier(parent, args, library),
+                "deployment": deployment(parent, prog, args)}
+        _write_json(out / "plan.json", plan)
+        _mark(out, "plan", {})
+    if not _done(out, "bundle"):
+        _mark(out, "bundle", bundle(prog, args, out / "bundle"))
+    done["bundle"] = json.loads((out / "work" / "bundle.done").read_text())
+    return done
+
+
+def _scaled(args, factor: float):
+    """The command's constraints with the first given one scaled by `factor` (a budget sweep)."""
+    from ..passes.puzzle.search import Constraints
+
+    c = {k: getattr(args, k) for k in CONSTRAINTS if getattr(args, k)}
+    for k in ("speedup", "decode_ms", "prefill_s", "max_params", "max_active", "concurrency"):
+        if k in c:
+            c[k] = c[k] * factor if k in ("speedup", "concurrency") else c[k] / factor
+            if k == "concurrency":
+                c[k] = max(1, round(c[k]))
+            return k, Constraints(**c, keep=tuple(args.keep or ()))
+    raise PuzzlekitError("no constraint to sweep")
+
+
+def frontier(parent, args, library: Path) -> list[dict]:
+    """Summed replacement score against the predicted figure of the swept constraint (relative to the
+    parent), for the MIP and the uniform and greedy baselines at budgets around the target."""
+    from ..passes.puzzle import Library
+    from ..passes.puzzle.search import PlanError, Search
+
+    lib = Library.open(library, parent)
+    points = []
+    for factor in (0.75, 0.9, 1.0, 1.15, 1.3):
+        key, c = _scaled(args, factor)
+        search = Search(lib, parent, [(args.target, args.scenario)], deploy_recipe(args.target), "kl", c)
+        for method in ("mip", "uniform", "greedy"):
+            try:
+                plan = search.plan(method)
+            except PlanError:
+                continue
+            points.append({"method": method, "budget": factor, "constraint": key, "score": plan.objective,
+                           "relative": _relative(search, plan, key), "params": plan.params_total})
+    return points
+
+
+def _relative(search, plan, key: str) -> float:
+    """The child's figure for `key` over the parent's: throughput ratio for a speedup target, else the
+    constrained quantity's ratio."""
+    if key == "speedup":
+        base = search.base[0]
+        return (plan.batch / plan.predicted["decode_seconds"]) / (base.max_batch / base.decode_step_seconds)
+    name = {"decode_ms": "latency_seconds", "prefill_s": "prefill_seconds", "concurrency": "memory_bytes",
+            "max_params": "params", "max_active": "active_params"}[key]
+    return plan.predicted[name] / plan.parent[name]
+
+
+def deployment(parent, child, args) -> dict:
+    """Predicted figures of parent and child on the target; on the cpu target also measured ones (decode
+    throughput at each one's largest batch meeting the scenario)."""
+    from ..backends.cost import CostModel, get_scenario
+
+    recipe = deploy_recipe(args.target) or None
+    out = {}
+    for name, prog in (("parent", parent), ("child", child)):
+        r = CostModel(prog, args.target, get_scenario(args.scenario, recipe=recipe)).report()
+        out[name] = {"predicted": {"weight_gb": r.weight_bytes / 1e9, "max_batch": r.max_batch,
+                                   "max_concurrency": r.max_concurrency,
+                                   "decode_step_ms": r.decode_step_seconds * 1e3,
+                                   "tokens_per_second": r.max_batch / r.decode_step_seconds
+                                   if r.decode_step_seconds else 0.0}}
+        if args.target == "cpu" and r.max_batch:
+            out[name]["measured"] = {"tokens_per_second": measured_throughput(prog, r.max_batch)}
+    return out
+
+
+def measured_throughput(prog, batch: int, context: int = 256) -> float:
+    """Decode tokens per second at `batch` after a `context`-token prefill (median of 15 steps)."""
+    import statistics
+
+    import torch
+
+    from ..backends.torch import materialize
+
+    model = materialize(prog)
+    ids = torch.randint(0, 256, (batch, context), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, state = model.prefill(ids)
+        times = []
+        for i in range(18):
+            t = time.perf_counter()
+            model.decode(ids[:, -1], state)
+            if i >= 3:
+                times.append(time.perf_counter() - t)
+    return batch / statistics.median(times)
+
+
+def bundle(prog, args, out: Path) -> dict:
+    """The target's deployment artifacts: ONNX prefill and decode graphs in the deployed precision."""
+    from ..backends.onnx import export_onnx
+
+    return export_onnx(prog, out, target=args.target, overwrite=True).to_json()
+
+
+def run_compress(args) -> int:
+    from .cli import _emit
+
+    s = compress(args, progress=not args.json and os.isatty(2))
+    plan = s["reports"]["puzzle"][-1]
+    dep = json.loads((Path(args.output) / "plan.json").read_text())["deployment"]
+    lines = [f"{'resumed after pass ' + str(s['resumed_at_pass']) + ', ' if s['resumed_at_pass'] else ''}"
+             f"{s['passes']} passes in {s['seconds']['pipeline']:.0f} s",
+             f"params {plan['params']:,} (the parent's: {s['parent_params']:,})",
+             f"child: {Path(args.output) / 'model'} ({s['outputs']['model']['form']})",
+             *(f"{k}: predicted {v['predicted']['tokens_per_second']:,.0f} tokens/s"
+               + (f", measured {v['measured']['tokens_per_second']:,.0f}" if "measured" in v else "")
+               for k, v in dep.items()),
+             f"report: {s['report']}/report.md"]
+    _emit(args, s, "\n".join(ln for ln in lines if ln) + "\n")
+    return 0
+
+
+def run_report(args) -> int:
+    from .cli import _emit
+    from .report import write_report
+
+    d = write_report(args.output)
+    _emit(args, {"report": str(d), "files": sorted(p.name for p in d.iterdir())}, f"wrote {d}/report.md\n")
+    return 0
+
+
+def add_parsers(sub, model_help: str, positive_int, positive_float) -> tuple:
+    c = sub.add_parser("compress", help="compress a model for a deployment target: search, distill, quantise, "
+                                        "export, report (resumable)")
+    c.add_argument("model", nargs="?", help=model_help)
+    c.add_argument("--output", "-o", required=True, help="run directory (the same command again resumes)")
+    c.add_argument("--target", default="cpu", help="h100, b200, 8xb200, ..., cpu")
+    c.add_argument("--scenario", default="chat", help="long-1m, decode-heavy, prefill-heavy, chat")
+    c.add_argument("--speedup", type=positive_float, help="server throughput >= X times the parent's")
+    c.add_argument("--decode-ms", type=positive_float, help="decode-step latency at batch 1")
+    c.add_argument("--prefill-s", type=positive_float, help="prefill latency of the scenario's input")
+    c.add_argument("--concurrency", type=positive_int, help="requests that fit in memory at --context tokens")
+    c.add_argument("--context", type=positive_int, help="context length for --concurrency (default: the scenario's)")
+    c.add_argument("--max-params", type=positive_float, help="total parameters")
+    c.add_argument("--max-active", type=positive_float, help="active parameters per token")
+    c.add_argument("--keep", nargs="*", default=[], help="block kinds kept intact (e.g. attention)")
+    c.add_argument("--iterative", type=positive_int, default=1, help="rounds of search + distillation (Iterative "
+                                                                      "Puzzle); the steps are split over them")
+    c.add_argument("--steps", type=positive_int, help="distillation steps in total (default 300; --quick 20)")
+    c.add_argument("--head-steps", type=positive_int, help="head-only MTP recovery steps (default 100; --quick 10)")
+    c.add_argument("--mtp-tolerance", type=float, help="the largest relative drop of MTP acceptance length below the "
+                                                       "parent's before the run fails (default 0.1; --quick: 1, report only)")
+    c.add_argument("--library", help="an existing library of this model (default: built in OUT/library)")
+    c.add_argument("--grid", help="the library's grid (default, planning or a TOML file)")
+    c.add_argument("--pipeline", help="an edited copy of tools/pipelines/compress.pipeline")
+    c.add_argument("--quick", action="store_true", help="small budgets for every stage (a smoke test)")
+    c.set_defaults(run=run_compress)
+    r = sub.add_parser("report", help="write OUT/report/ (Markdown and plots) for a compress run")
+    r.add_argument("output", help="a compress run directory")
+    r.set_defaults(run=run_report)
+    return c, r

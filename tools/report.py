@@ -1,0 +1,180 @@
+"""`puzzlekit report OUT/`: what a `compress` run traded for what, as Markdown with PNG plots.
+
+    report.md          the tables: per-layer architecture, the search's frontier, distillation, MTP acceptance,
+                       predicted and measured deployment figures
+    architecture.png   parent and child side by side, one row per layer (kind and size relative to the parent)
+    frontier.png       summed replacement score against the predicted figure, MIP and baselines, per budget
+    distillation.png   the loss terms over steps, every distillation run
+    mtp.png            MTP acceptance length: teacher, before and after recovery
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import PuzzlekitError
+from ..outputs import staged_dir
+
+KIND_COLOURS = {"mamba2": "#4c72b0", "moe": "#dd8452", "attention": "#55a868", "mlp": "#c44e52",
+                "linear": "#8172b3", "noop": "#bbbbbb"}
+SHOWN = ("q_heads", "kv_heads", "heads", "head_dim", "state", "experts", "top_k", "d_ff", "shared_d_ff", "latent")
+
+
+def layer_rows(prog) -> list[dict]:
+    """Per layer: its kind and the sizes a report shows."""
+    rows = []
+    for i, n in enumerate(prog.blocks()):
+        attrs = {k: getattr(n.op, k) for k in SHOWN if hasattr(n.op, k)}
+        rows.append({"layer": i, "kind": n.op.kind, "params": sum(_numel(s) for s in n.op.params().values()),
+                     **attrs})
+    return rows
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def _describe(row: dict) -> str:
+    return row["kind"] + "".join(f" {k}={v}" for k, v in row.items() if k in SHOWN)
+
+
+def _plots():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def architecture_plot(parent_rows: list, child_rows: list, path: Path) -> None:
+    plt = _plots()
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(parent_rows) + 1.5))
+    for side, rows, x in (("parent", parent_rows, 0), ("child", child_rows, 1)):
+        for r, p in zip(rows, parent_rows):
+            share = r["params"] / max(p["params"], 1)
+            ax.barh(r["layer"], 0.9 * max(share, 0.03), left=x, color=KIND_COLOURS.get(r["kind"], "#333333"))
+            ax.text(x + 0.02, r["layer"], _describe(r) if side == "child" else r["kind"], va="center", fontsize=6)
+    ax.set_yticks([r["layer"] for r in parent_rows])
+    ax.invert_yaxis()
+    ax.set_xticks([0.45, 1.45], ["parent", "child (bar: share of the parent's parameters)"])
+    ax.set_ylabel("layer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def frontier_plot(points: list, path: Path) -> None:
+    plt = _plots()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, marker in (("mip", "o-"), ("uniform", "s"), ("greedy", "^")):
+        pts = sorted((p["relative"], p["score"]) for p in points if p["method"] == method)
+        if pts:
+            ax.plot(*zip(*pts), marker, label=method, markersize=6)
+    key = points[0]["constraint"] if points else "budget"
+    ax.set_xlabel(f"predicted {'throughput' if key == 'speedup' else key} relative to the parent")
+    ax.set_ylabel("summed replacement score (KL, nats/token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def distillation_plot(runs: list, path: Path) -> None:
+    plt = _plots()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    offset = 0
+    for i, run in enumerate(runs):
+        log = run["log"]
+        for term in run["terms"]:
+            ax.plot([offset + r["step"] for r in log], [r[term] for r in log], label=f"run {i + 1}: {term}",
+                    linewidth=1)
+        offset += run["steps"]
+    ax.set_xlabel("step (runs one after another)")
+    ax.set_ylabel("loss term")
+    ax.set_yscale("log")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def mtp_plot(values: dict, path: Path) -> None:
+    plt = _plots()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar(list(values), list(values.values()), color=["#55a868", "#c44e52", "#4c72b0"][:len(values)])
+    ax.set_ylabel("mean acceptance length (tokens / step)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _table(header: list, rows: list) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def write_report(out) -> Path:
+    """Writes OUT/report/ from OUT/plan.json, OUT/work/summary.json and the two models; replaces an old one."""
+    from .. import ir
+
+    out = Path(out)
+    try:
+        plan = json.loads((out / "plan.json").read_text())
+        summary = json.loads((out / "work" / "summary.json").read_text())
+    except FileNotFoundError as e:
+        raise PuzzlekitError(f"{out} holds no finished compress run ({Path(e.filename).name} is missing); "
+                             f"run `puzzlekit compress ... -o {out}` first") from None
+    parent, child = ir.load(summary["model"]), ir.load(out / "model")
+    prows, crows = layer_rows(parent), layer_rows(child)
+    reports = summary["reports"]
+    distills = reports.get("distill", [])
+    checks = reports.get("mtp-check", [])
+    mtp = {}
+    if checks:  # the pipeline measures after the trunk's distillation and again after head-only recovery
+        mtp["teacher"] = checks[0]["teacher_acceptance"]
+        mtp["after trunk distillation"] = checks[0]["acceptance"]
+        if len(checks) > 1:
+            mtp["after head-only recovery"] = checks[-1]["acceptance"]
+    dep = plan["deployment"]
+    with staged_dir(out / "report", overwrite=True) as d:
+        architecture_plot(prows, crows, d / "architecture.png")
+        frontier_plot(plan["frontier"], d / "frontier.png")
+        distillation_plot(distills, d / "distillation.png")
+        mtp_plot(mtp, d / "mtp.png")
+        md = [f"# Compression report: {summary['model']} for {summary['target']} / {summary['scenario']}\n",
+              f"Pipeline: `{summary['pipeline']}`\n",
+              "## Architecture\n", "![architecture](architecture.png)\n",
+              _table(["layer", "parent", "child"], [(p["layer"], _describe(p), _describe(c)) for p, c in zip(prows, crows)]),
+              f"\nParameters: {parent.param_counts()['total']:,} -> {child.param_counts()['total']:,} "
+              f"(active {parent.param_counts()['active']:,} -> {child.param_counts()['active']:,}).\n",
+              "## The search\n", "![frontier](frontier.png)\n",
+              _table(["method", "budget", "constraint", "summed score", "predicted / parent", "params"],
+                     [(p["method"], p["budget"], p["constraint"], _fmt(p["score"]), _fmt(p["relative"]),
+                       f"{p['params']:,}") for p in plan["frontier"]]),
+              "\n## Distillation\n", "![distillation](distillation.png)\n",
+              _table(["run", "steps", "KL before", "KL after", "top-1 before", "top-1 after", "bits/byte after"],
+                     [(i + 1, r["steps"], _fmt(r["before"]["kl"]), _fmt(r["after"]["kl"]),
+                       _fmt(r["before"]["top1_agreement"]), _fmt(r["after"]["top1_agreement"]),
+                       _fmt(r["after"]["bits_per_byte"])) for i, r in enumerate(distills)]),
+              "\n## MTP acceptance length\n", "![mtp](mtp.png)\n",
+              _table(["", "tokens per step"], [(k, _fmt(v)) for k, v in mtp.items()]),
+              "\n## Deployment\n",
+              _table(["", "weights GB", "max batch", "max concurrency", "decode step ms", "tokens/s predicted",
+                      "tokens/s measured"],
+                     [(name, _fmt(v["predicted"]["weight_gb"]), v["predicted"]["max_batch"],
+                       v["predicted"]["max_concurrency"], _fmt(v["predicted"]["decode_step_ms"]),
+                       _fmt(v["predicted"]["tokens_per_second"]),
+                       _fmt(v["measured"]["tokens_per_second"]) if "measured" in v else "on the GPU machine")
+                      for name, v in dep.items()])]
+        (d / "report.md").write_text("\n".join(md))
+    return out / "report"
