@@ -127,7 +127,7 @@ def test_function_passes_and_duplicate_names():
         register("verify")(scale)
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in PIPELINES_DIR.glob("*.pipeline")))
-def test_every_shipped_pipeline_parses_and_round_trips(name):
+@pytest.mark.parametrize("name", sorted(p.stem for p in PIPELINES_DIR.glob("*.pipeline") if "$" not in p.read_text()))
+def test_every_shipped_pipeline_parses_and_round_trips(name):  # templates ($names): tests/test_compress.py
     passes = parse_pipeline(resolve_pipeline(name))
     assert parse_pipeline(print_pipeline(passes)) == passes

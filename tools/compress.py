@@ -40,7 +40,9 @@ def deploy_recipe(target: str) -> str:
 
 
 def pipeline_text(template: str, args, out: Path, library: Path) -> str:
-    """The template with its $names filled in from the command's options."""
+    """The template (a pipeline file's text) with its comments dropped and its $names filled in from the
+    command's options."""
+    template = " ".join(ln.split("#", 1)[0].strip() for ln in template.splitlines())
     budget = QUICK if args.quick else FULL
     steps = args.steps or budget["steps"]
     rounds = args.iterative
@@ -92,9 +94,7 @@ def compress(args, progress: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     library = Path(args.library) if args.library else out / "library"
     template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
-    template = " ".join(ln.split("#", 1)[0].strip() for ln in read_text(template_file, "pipeline", PuzzlekitError)
-                        .splitlines())
-    text = pipeline_text(template, args, out, library)
+    text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
     passes = parse_pipeline(resolve_pipeline(text))
     parent = ir.load(src)
     prog = parent.copy()

@@ -1,0 +1,119 @@
+"""`puzzlekit compress --quick` end to end on the built-in model, its report, and resuming after a kill."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from puzzlekit import ir
+
+BOUND = 1.1e6
+
+
+def _cmd(out: Path, grid: Path) -> list[str]:
+    return [sys.executable, "-m", "puzzlekit.tools", "compress", "--quick", "--target", "h100", "--scenario",
+            "decode-heavy", "--max-params", str(BOUND), "--grid", str(grid), "-o", str(out), "--json"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, small_grid_file):
+    out = tmp_path_factory.mktemp("compress") / "out"
+    p = subprocess.run(_cmd(out, small_grid_file), capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out, json.loads(p.stdout)
+
+
+@pytest.mark.parametrize("extra", [[], ["--iterative", "3", "--speedup", "2", "--keep", "attention"]])
+def test_the_compress_template_fills_in_to_a_pipeline_that_round_trips(extra, tmp_path):
+    from puzzlekit.passes import parse_pipeline, print_pipeline
+    from puzzlekit.passes.pipeline import PIPELINES_DIR
+    from puzzlekit.tools.cli import parser
+    from puzzlekit.tools.compress import pipeline_text
+
+    args = parser().parse_args(["compress", "--max-params", "1e6", "-o", str(tmp_path), *extra])
+    text = pipeline_text((PIPELINES_DIR / "compress.pipeline").read_text(), args, tmp_path, tmp_path / "lib")
+    passes = parse_pipeline(text)
+    assert parse_pipeline(print_pipeline(passes)) == passes
+    assert [p.pass_name for p in passes][:3] == ["snapshot", "library", "repeat"] and passes[2].n == int(extra[1] if extra else 1)
+    with pytest.raises(Exception, match="needs a deployment target"):
+        pipeline_text("x", parser().parse_args(["compress", "-o", str(tmp_path)]), tmp_path, tmp_path)
+
+
+def test_the_child_meets_its_constraint_keeps_its_mtp_head_and_loads(run):
+    out, summary = run
+    plan = json.loads((out / "plan.json").read_text())["plan"]
+    assert plan["predicted"]["params"] <= plan["limits"]["params"] == BOUND
+    child = ir.verify(ir.load(out / "model"))
+    assert child.param_counts()["total"] == plan["params_total"] <= BOUND
+    assert child.find("mtp")
+    assert summary["resumed_at_pass"] == 0 and summary["passes"] == 8
+    assert [c["acceptance"] > 1 for c in summary["reports"]["mtp-check"]] == [True, True]
+
+
+def test_the_bundle_holds_onnx_graphs_that_onnxruntime_runs(run):
+    import onnxruntime as ort
+
+    out, _ = run
+    for graph in ("prefill.onnx", "decode.onnx"):
+        sess = ort.InferenceSession(str(out / "bundle" / graph))
+        assert sess.get_outputs()
+
+
+def test_the_report_is_complete_and_holds_the_runs_numbers(run):
+    import matplotlib.image
+
+    out, summary = run
+    d = out / "report"
+    for png in ("architecture.png", "frontier.png", "distillation.png", "mtp.png"):
+        img = matplotlib.image.imread(d / png)
+        assert img.shape[0] > 100 and img.shape[1] > 100 and np.asarray(img)[..., :3].std() > 0.05, png
+    md = (d / "report.md").read_text()
+    child = ir.load(out / "model")
+    assert f"-> {child.param_counts()['total']:,}" in md
+    assert all(f"({name}.png)" in md for name in ("architecture", "frontier", "distillation", "mtp"))
+    check = summary["reports"]["mtp-check"][-1]
+    assert f"| after head-only recovery | {check['acceptance']:.4g} |" in md
+    assert f"| teacher | {check['teacher_acceptance']:.4g} |" in md
+    rows = [ln for ln in md.splitlines() if re.match(r"\| (mip|uniform|greedy) \|", ln)]
+    assert len(rows) == len(json.loads((out / "plan.json").read_text())["frontier"]) >= 5
+    layers = [ln for ln in md.splitlines() if re.match(r"\| \d+ \| (mamba2|moe|attention|mlp) ", ln)]
+    assert len(layers) == len(child.blocks())
+
+
+def test_report_command_rewrites_the_report_and_refuses_a_directory_without_a_run(run, tmp_path):
+    from puzzlekit.tools.cli import main
+
+    out, _ = run
+    (out / "report" / "report.md").unlink()
+    assert main(["report", str(out)]) == 0 and (out / "report" / "report.md").exists()
+    assert main(["report", str(tmp_path)]) == 1
+
+
+@pytest.mark.slow
+def test_a_killed_compress_resumes_without_redoing_finished_passes_and_gives_the_same_child(run, small_grid_file,
+                                                                                               tmp_path):
+    whole, _ = run
+    out = tmp_path / "out"
+    proc = subprocess.Popen(_cmd(out, small_grid_file), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    stages = out / "work" / "stages"
+    deadline = time.monotonic() + 600
+    while not (stages / "0004" / "stage.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (stages / "0004" / "stage.json").exists() and not (out / "model").exists()
+    p = subprocess.run(_cmd(out, small_grid_file), capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout)["resumed_at_pass"] >= 4
+    a, b = load_file(str(whole / "model" / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
