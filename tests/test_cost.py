@@ -96,7 +96,7 @@ def test_roofline_by_hand():
 @needs_configs
 def test_super_state_matches_published_figures():
     prog = ir.load(SUPER)
-    cm = CostModel(prog, "h100", get_scenario("chat"))
+    cm = CostModel(prog, "h100", get_scenario("chat", mtp_resident=True))
     mamba = sum(n.op.state_bytes(2.0, 4.0, 2.0, 0) for n in prog.blocks("mamba2"))
     assert mamba / 2**20 == pytest.approx(162.3, abs=0.05)  # REFERENCE: ~162 MiB, SSM state plus conv windows
     kv_bf16 = sum(n.op.state_bytes(2.0, 4.0, 2.0, 1) for n in prog.blocks("attention"))
@@ -123,13 +123,15 @@ def test_both_configs_cost_on_every_gpu_target_in_under_a_second():
 def test_named_scenarios_and_infeasibility():
     prog = ir.load(SUPER)
     r = cost(prog, "h100", "long-1m")
-    assert r.max_concurrency == 0 and r.infeasible.startswith("memory: weights need 247.4 GB") and "1xh100" in r.infeasible
+    assert r.max_concurrency == 0 and r.infeasible.startswith("memory: weights need 241.5 GB") and "1xh100" in r.infeasible
     node = cost(prog, "8xb200", "long-1m", recipe="nvfp4-hybrid")
     assert node.max_concurrency > 8 and node.max_batch == node.max_concurrency  # no rate floor
     dec = cost(prog, "8xb200", "decode-heavy")
     assert 0 < dec.max_batch <= dec.max_concurrency
-    assert 1 / dec.decode_step_seconds >= 100 and dec.throughput_tokens_per_second == pytest.approx(
-        dec.max_batch / dec.decode_step_seconds)
+    assert 1 / dec.serve_step_seconds >= 100 and dec.throughput_tokens_per_second == pytest.approx(
+        dec.max_batch / dec.serve_step_seconds)
+    assert dec.serve_step_seconds == pytest.approx(dec.decode_step_seconds + dec.max_batch / 65536 * dec.prefill_seconds)
+    assert dec.binding == "rate floor" and dec.headroom["requests"] == dec.max_concurrency - dec.max_batch
     slow = cost(prog, "8xb200", "decode-heavy", rate_floor=1e6)
     assert slow.max_batch == 0 and slow.infeasible.startswith("rate floor: 1e+06 tokens/s per user wanted")
 
@@ -139,7 +141,9 @@ def test_recipes_shrink_weights():
     prog = ir.load(SUPER)
     b = {r: cost(prog, "8xb200", "chat", recipe=r).weight_bytes for r in ("bf16", "fp8", "nvfp4-hybrid", "nvfp4")}
     assert b["bf16"] > b["fp8"] > b["nvfp4-hybrid"] > b["nvfp4"]
-    assert b["bf16"] == pytest.approx(2 * 120.67e9 + 2 * 2.94e9, rel=0.01)  # trunk + MTP head, router in FP32
+    assert b["bf16"] == pytest.approx(2 * 120.67e9, rel=0.01)  # the trunk, router in FP32; the MTP head not loaded
+    with_mtp = cost(prog, "8xb200", "chat", recipe="bf16", mtp_resident=True).weight_bytes
+    assert with_mtp == pytest.approx(b["bf16"] + 2 * 2.94e9, rel=0.01)
 
 
 def test_a_quantized_program_costs_like_its_recipe():
