@@ -7,21 +7,17 @@ Assumptions are listed in docs/cost-model.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import statistics
-import time
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 
 import tomllib
-import torch
 
 from ..errors import PuzzlekitError
 from ..ir import Program
 from ..ir.quant.recipe import RECIPES, get_recipe
+from .measured import MeasuredProvider
 from .targets import Target, get_target
 
 BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16,  # NVFP4: E4M3 scale per 16
@@ -208,112 +204,6 @@ def _math_precision(precisions: dict, weights: dict, target: Target) -> str:
     return _sequence_precision(target)
 
 
-class MeasuredProvider:
-    """Times each distinct op variant in isolation on this machine (torch eager, warm-up, median).
-
-    Timings are cached on disk, keyed by op spec, shapes, torch version and thread count. Batches are
-    searched up to `max_batch` (each is a real run).
-
-    Timing allocates real tensors, so it is bounded, not extrapolated: a decode timing's state (fp32, plus
-    the copy that grows it) must fit `budget_bytes` (the batch search stops below it), and a prefill runs
-    at most `max_prefill_tokens` (attention's work grows with the square of the length). Beyond either it
-    refuses, naming the size: price such scenarios (e.g. long-1m) on an analytic target.
-    """
-
-    max_batch = 256
-    max_prefill_tokens = 65536
-    budget_bytes = 2 * 2**30
-
-    def __init__(self, cache: Path | None = None, repeats: int = 7, warmup: int = 2):
-        self.cache_file = cache or Path(os.environ.get("PUZZLEKIT_CACHE", Path.home() / ".cache" / "puzzlekit")) \
-            / "cpu-op-times.json"
-        self.repeats, self.warmup = repeats, warmup
-        try:
-            raw = json.loads(self.cache_file.read_text())
-        except (OSError, ValueError):
-            raw = {}
-        # a damaged cache entry (NaN, negative, not a number) is timed again rather than trusted
-        self._cache = {k: v for k, v in raw.items() if isinstance(v, float) and math.isfinite(v) and v >= 0} \
-            if isinstance(raw, dict) else {}
-
-    @staticmethod
-    def state_bytes(op, batch: int, context: int) -> int:
-        """Bytes a decode timing of `op` allocates for its state: fp32, and the copy that appends a token."""
-        if not op.is_block:
-            return 0
-        dims = {"B": batch, "L": context}
-        elems = sum(math.prod(dims.get(d, d) for d in shape) for shape in op.state_shapes().values())
-        return 2 * 4 * elems
-
-    def batch_limit(self, ops, context: int) -> int:
-        """The largest batch (at most max_batch) whose decode timings stay within the memory budget."""
-        per = max([self.state_bytes(op, 1, context) for op in ops], default=0)
-        return self.max_batch if per == 0 else min(self.max_batch, int(self.budget_bytes // per))
-
-    def _check(self, op, batch, tokens, context, decode) -> None:
-        fix = "price it on an analytic target (--target h100, or a target file describing this CPU) or a shorter one"
-        if not decode and batch * tokens > self.max_prefill_tokens:
-            raise PuzzlekitError(f"the measured cpu provider runs every prefill it prices; {batch * tokens:,} tokens "
-                                 f"is above its bound of {self.max_prefill_tokens:,}: {fix}")
-        need = self.state_bytes(op, batch, context) if decode else 0
-        if need > self.budget_bytes:
-            raise PuzzlekitError(f"timing a {op.kind} decode step at batch {batch}, context {context:,} would "
-                                 f"allocate {need / 1e9:.1f} GB on this machine, above the measured cpu provider's "
-                                 f"budget of {self.budget_bytes / 1e9:.1f} GB: {fix}")
-
-    def _key(self, op, batch, tokens, context, decode) -> str:
-        return json.dumps([op.kind, {k: v for k, v in op.attrs().items() if k != "blocks"},
-                           [b.attrs() for b in getattr(op, "blocks", ())], batch, tokens, context, decode,
-                           torch.__version__, torch.get_num_threads()], sort_keys=True, default=str)
-
-    def op_seconds_at(self, op, batch: int, tokens: int, context: int, decode: bool) -> float:
-        self._check(op, batch, tokens, context, decode)
-        key = self._key(op, batch, tokens, context, decode)
-        if key not in self._cache:
-            self._cache[key] = self._time(op, batch, tokens, context, decode)
-            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.cache_file.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self._cache))
-            os.replace(tmp, self.cache_file)
-        return self._cache[key]
-
-    @torch.no_grad()
-    def _time(self, op, batch, tokens, context, decode) -> float:
-        g = torch.Generator().manual_seed(0)
-        m = op.build().eval()
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        if op.kind == "embed":
-            x = torch.randint(0, op.vocab, (batch, tokens), generator=g)
-        elif op.kind == "lm_head":
-            x = torch.randn(batch, 1, op.hidden, generator=g)
-        else:
-            x = torch.randn(batch, tokens, op.hidden, generator=g)
-        if getattr(op, "tied", False):
-            m.bind(torch.nn.Embedding(op.vocab, op.hidden))
-        state = None
-        if op.is_block and decode and op.state_shapes():
-            state = tuple(torch.randn(*[{"B": batch, "L": context}.get(d, d) for d in shape], generator=g)
-                          for shape in op.state_shapes().values())
-        if op.is_block:
-            def run():
-                return m(x, state, decode)
-        else:
-            def run():
-                return m(x)
-        for _ in range(self.warmup):
-            run()
-        times = []
-        for _ in range(self.repeats):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    def step_overhead(self) -> float:
-        return 0.0
-
-
 # -- the report ------------------------------------------------------------------------------------------------------
 @dataclass
 class CostReport:
@@ -419,6 +309,15 @@ class CostModel:
                 if resident else 0.0,
                 "params": sum(math.prod(sh) for sh in shapes.values()), "active_params": op.active_params()}
 
+    def prepare(self, ops, batch: int, context: int | None = None) -> None:
+        """Times `ops` (a search's variants) together before `node_costs` asks for them one by one, so the
+        measured provider's times are taken under the same conditions; a no-op for analytic targets."""
+        if isinstance(self.provider, MeasuredProvider):
+            ops = list(dict.fromkeys(op for op in ops if op.kind != "mtp"))
+            s = self.scenario
+            self.provider.times([(op, batch, 1, context or s.decode_context, True) for op in ops]
+                                + [(op, 1, s.input_len, 0, False) for op in ops])
+
     def prefill_share(self, batch: int) -> float:
         """Prefills per decode step in steady state: each of `batch` users finishes a request (and a new
         one is prefilled) every `output_len` steps."""
@@ -461,6 +360,13 @@ class CostModel:
     def _seconds(self, batch: int, tokens: int, context: int, decode: bool) -> tuple[float, dict]:
         per_kind: dict[str, float] = {}
         total = self.provider.step_overhead()
+        if isinstance(self.provider, MeasuredProvider):  # every op of the step timed together, in turns
+            nodes = [n for n in self.prog.nodes if n.op.kind != "mtp"]
+            todo = list(dict.fromkeys(n.op for n in nodes))
+            secs = dict(zip(todo, self.provider.times([(op, batch, tokens, context, decode) for op in todo])))
+            for n in nodes:
+                self._memo[self._memo_key(n.op, self.precisions[n.path], self.routing.get(n.path), batch, tokens,
+                                          context, decode)] = secs[n.op]
         for n in self.prog.nodes:
             if n.op.kind == "mtp":
                 continue  # the head drafts only with speculative decoding, which is not priced
@@ -469,9 +375,13 @@ class CostModel:
             total += sec
         return total, per_kind
 
+    @staticmethod
+    def _memo_key(op, precisions, routing, batch, tokens, context, decode) -> tuple:
+        return (op, tuple(precisions.items()), None if routing is None else tuple(routing), batch, tokens, context,
+                decode)
+
     def _priced(self, op, precisions, routing, batch, tokens, context, decode) -> float:
-        key = (op, tuple(precisions.items()), None if routing is None else tuple(routing), batch, tokens, context,
-               decode)
+        key = self._memo_key(op, precisions, routing, batch, tokens, context, decode)
         if key not in self._memo:
             self._memo[key] = self._op_seconds(op, precisions, routing, batch, tokens, context, decode)
         return self._memo[key]
@@ -494,6 +404,29 @@ class CostModel:
         requests (chunked prefill interleaved with decoding). Users see 1 / this tokens/s; the server
         `batch` / this."""
         return self.decode_step_seconds(batch) + self.prefill_share(batch) * self.prefill_seconds()
+
+    def check_whole_model(self, batch: int = 1, tolerance: float = 0.15) -> dict:
+        """Measured provider: the summed op times against the whole model timed the same way (a decode step at
+        `batch` and the mean decode context, a prefill of the input). When either is off by more than
+        `tolerance`, the cached times are dropped, timed again together and compared once more. Returns the
+        last comparison and whether the times were re-taken."""
+        if not isinstance(self.provider, MeasuredProvider):
+            raise PuzzlekitError(f"a whole-model check measures this machine; {self.target.name} is priced "
+                                 "analytically (use the cpu target)")
+        s, retimed = self.scenario, False
+        while True:
+            pred = (self.decode_step_seconds(batch), self.prefill_seconds())
+            meas = self.provider.measure_model(self.prog, batch, s.decode_context, s.input_len)
+            ratios = [p / m for p, m in zip(pred, meas)]
+            if retimed or all(abs(r - 1) <= tolerance for r in ratios):
+                break
+            self.provider.invalidate(f"whole model predicted/measured {ratios[0]:.2f} (decode), "
+                                     f"{ratios[1]:.2f} (prefill), beyond {tolerance:.0%}")
+            self._memo.clear()
+            self._node_memo.clear()
+            retimed = True
+        return {"decode": {"predicted": pred[0], "measured": meas[0], "ratio": ratios[0]},
+                "prefill": {"predicted": pred[1], "measured": meas[1], "ratio": ratios[1]}, "retimed": retimed}
 
     def report(self) -> CostReport:
         s = self.scenario

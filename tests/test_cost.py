@@ -211,18 +211,81 @@ def test_target_files(tmp_path):
         get_scenario("chat", kv_dtype="int3")
 
 
+class Clock:
+    """A timer whose every reading is `dt` seconds after the last: each timed call lasts exactly `dt`."""
+
+    def __init__(self, dt: float):
+        self.t, self.dt = 0.0, dt
+
+    def __call__(self) -> float:
+        self.t += self.dt
+        return self.t
+
+
+CONDITIONS = {"cpu": "test cpu", "machine": "x86_64", "cores": 2, "threads": 2, "torch": "2.13.0", "dtype": "float32"}
+
+
+def _provider(path, dt, conditions=CONDITIONS, **kw):
+    return MeasuredProvider(cache=path, repeats=3, warmup=0, timer=Clock(dt), conditions_fn=lambda: dict(conditions),
+                            **kw)
+
+
 def test_measured_cpu_provider_times_and_caches(tmp_path):
-    prov = MeasuredProvider(cache=tmp_path / "t.json", repeats=3, warmup=1)
     prog = _program(hidden=32)
-    r = CostModel(prog, "cpu", Scenario(input_len=64, output_len=8), provider=prov).report()
-    assert r.max_batch == MeasuredProvider.max_batch  # no rate floor: the search stops at the provider's cap
-    assert r.decode_step_seconds > 0 and r.prefill_seconds > r.decode_step_seconds_batch1 * 0.5
+    sc = Scenario(input_len=64, output_len=8)
+    r = CostModel(prog, "cpu", sc, provider=_provider(tmp_path / "t.json", 1e-3)).report()
+    assert r.max_batch == MeasuredProvider.max_batch and r.binding == "compute"  # no floor: the provider's cap
+    ops = len({n.op for n in prog.nodes if n.op.kind != "mtp"})  # 6 distinct ops of 1 ms each
+    assert r.decode_step_seconds == pytest.approx(len([n for n in prog.nodes if n.op.kind != "mtp"]) * 1e-3)
     cached = json.loads((tmp_path / "t.json").read_text())
-    assert len(cached) >= 5
-    again = MeasuredProvider(cache=tmp_path / "t.json")
-    again._time = None  # would fail if anything were re-timed
-    r2 = CostModel(prog, "cpu", Scenario(input_len=64, output_len=8), provider=again).report()
-    assert r2.decode_step_seconds == r.decode_step_seconds
+    assert cached["conditions"] == CONDITIONS and len(cached["times"]) >= 2 * ops
+    again = _provider(tmp_path / "t.json", 1.1e-3)  # within tolerance: the cache stands
+    r2 = CostModel(prog, "cpu", sc, provider=again).report()
+    assert r2.decode_step_seconds == r.decode_step_seconds and not again.invalidated
+    assert again.timed == again.spot_checks  # only the spot checks were timed
+
+
+def test_a_cache_off_by_more_than_the_tolerance_is_dropped(tmp_path):
+    prog, sc = _program(hidden=32), Scenario(input_len=64, output_len=8)
+    CostModel(prog, "cpu", sc, provider=_provider(tmp_path / "t.json", 1e-3)).decode_step_seconds(2)
+    slow = _provider(tmp_path / "t.json", 2e-3)  # the machine is now twice as slow
+    t = CostModel(prog, "cpu", sc, provider=slow).decode_step_seconds(2)
+    assert "2.00x its cached value" in slow.invalidated
+    assert t == pytest.approx(len([n for n in prog.nodes if n.op.kind != "mtp"]) * 2e-3)  # all re-timed
+
+
+def test_a_cache_from_other_conditions_is_not_read(tmp_path):
+    prog, sc = _program(hidden=32), Scenario(input_len=64, output_len=8)
+    CostModel(prog, "cpu", sc, provider=_provider(tmp_path / "t.json", 1e-3)).decode_step_seconds(2)
+    for change in ({"threads": 1}, {"torch": "2.12.0"}, {"cpu": "other cpu"}, {"dtype": "bfloat16"}):
+        other = _provider(tmp_path / "x.json", 5e-3, CONDITIONS | change)
+        other.cache_file = tmp_path / "t.json"
+        assert other._load() == {}, change
+    same = _provider(tmp_path / "t.json", 5e-3)
+    assert len(same._cache) >= 6
+
+
+def test_the_ops_of_a_step_are_timed_together(tmp_path, monkeypatch):
+    prog = _program(hidden=32)
+    prov = _provider(tmp_path / "t.json", 1e-3)
+    groups = []
+    real = MeasuredProvider._round_robin
+    monkeypatch.setattr(MeasuredProvider, "_round_robin", lambda self, items: groups.append(items) or real(self, items))
+    CostModel(prog, "cpu", Scenario(input_len=64, output_len=8), provider=prov).decode_step_seconds(3)
+    distinct = {n.op for n in prog.nodes if n.op.kind != "mtp"}
+    assert len(groups) == 1 and {it[0] for it in groups[0]} == distinct and all(it[1] == 3 for it in groups[0])
+
+
+def test_the_whole_model_check_retimes_when_the_sum_is_off(tmp_path, small_program):
+    prog = small_program
+    cm = CostModel(prog, "cpu", Scenario(input_len=16, output_len=4), provider=_provider(tmp_path / "t.json", 1e-3))
+    # every timed call lasts 1 ms: the ops sum to one per node, the whole model measures 1 ms
+    got = cm.check_whole_model(batch=2)
+    nodes = len([n for n in prog.nodes if n.op.kind != "mtp"])
+    assert got["retimed"] and "whole model" in cm.provider.invalidated
+    assert got["decode"]["ratio"] == pytest.approx(nodes) and got["prefill"]["measured"] == pytest.approx(1e-3)
+    with pytest.raises(PuzzlekitError, match="measures this machine"):
+        CostModel(prog, "h100", Scenario()).check_whole_model()
 
 
 def test_cost_analysis_in_the_pass_manager():

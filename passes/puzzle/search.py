@@ -165,6 +165,7 @@ class Search:
     def costs(self, cm: CostModel, batch: int, context: int) -> tuple[dict, dict]:
         """Per-option costs and the fixed part outside the blocks, for one target at one batch."""
         blocks = {n.path for n in self.parent.blocks()}
+        cm.prepare([n.op for n in self.parent.nodes] + self.specs, batch, context)
         fixed = {"decode_seconds": cm.step_overhead(), "prefill_seconds": cm.step_overhead(),
                  "serve_seconds": cm.step_overhead() * (1 + cm.prefill_share(batch))}
         for n in self.parent.nodes:
