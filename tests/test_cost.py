@@ -320,3 +320,182 @@ def test_measured_routing_statistics_feed_the_cost():
                   for r in (None, routing[moe_paths[0]])]
     assert bytes_read[1] < bytes_read[0]
     assert measured.decode_step_seconds(4) < uniform.decode_step_seconds(4)
+
+
+# -- the calibrated terms, by hand ------------------------------------------------------------------------------------
+def test_grouped_gemm_efficiency_by_tokens_per_expert():
+    e = Efficiency()  # compute 0.6, half a 128-row tile = 64 tokens
+    assert e.moe(0) == 0.0
+    assert e.moe(1) == pytest.approx(0.6 / 65)
+    assert e.moe(64) == pytest.approx(0.3)
+    assert e.moe(192) == pytest.approx(0.45)
+    assert Efficiency(compute=0.5, moe_half_tokens=16).moe(48) == pytest.approx(0.375)
+
+
+def test_a_moe_prices_its_routed_experts_as_a_grouped_gemm():
+    op = MoE(hidden=1024, experts=64, top_k=4, d_ff=512, shared_d_ff=0, latent=0)
+    prov = AnalyticProvider(TARGETS["h100"], Efficiency(launch_seconds=0.0))
+    n = 16384  # prefill tokens: 16384 * 4 / 64 = 1024 tokens per expert -> efficiency 0.6 * 1024 / 1088
+    w = op.work(1, n, 0, False, **ARGS)
+    prec = {k: "bf16" for k in op.params()} | {"mixer.gate.weight": "fp32", "mixer.gate.e_score_correction_bias": "fp32"}
+    routed_flops = n * 4 * 4 * 1024 * 512
+    routed = routed_flops / (989e12 * 0.6 * 1024 / 1088)  # compute bound: 134 MB of experts take 50 us
+    rest_flops = n * (2 * 1024 * 64 + 4 * 1024)  # router and norm
+    rest_bytes = 64 * 1024 * 4 + 64 * 4 + 1024 * 2 + w.act * 2
+    rest = max(rest_flops / (989e12 * 0.6), rest_bytes / (3.35e12 * 0.8))
+    assert prov.op_seconds(op, prec, w, 1, 2.0, n) == pytest.approx(routed + rest, rel=1e-9)
+    # at one decode token per sequence and batch 8, 0.5 tokens per expert: the experts' reads bind
+    d = op.work(8, 1, 0, True, **ARGS)
+    touched = 1 - (1 - 4 / 64) ** 8
+    reads = 64 * touched * 2 * 512 * 1024 * 2 / (3.35e12 * 0.8)
+    assert reads > 8 * 4 * 4 * 1024 * 512 / (989e12 * 0.6 * 0.5 / 64.5)
+    d_rest = max(8 * (2 * 1024 * 64 + 4 * 1024) / (989e12 * 0.6),
+                 (64 * 1024 * 4 + 64 * 4 + 1024 * 2 + d.act * 2) / (3.35e12 * 0.8))
+    assert prov.op_seconds(op, prec, d, 1, 2.0, 8) == pytest.approx(reads + d_rest, rel=1e-9)
+
+
+def test_attention_and_ssm_kernels_have_their_own_efficiency():
+    h100 = TARGETS["h100"]
+    prov = AnalyticProvider(h100, Efficiency(launch_seconds=0.0))
+    att = Attention(hidden=1024, q_heads=8, kv_heads=2, head_dim=128)
+    w = att.work(16, 1, 4096, True, **ARGS)
+    gemm = 2 * 16 * (1024 * 1024 * 2 + 2 * 256 * 1024)
+    kv = 16 * 4096 * 2 * 256 * 2 + 16 * 2 * 256 * 2
+    core = max((w.flops - gemm) / (989e12 * 0.4), kv / (3.35e12 * 0.6))
+    proj = max(gemm / (989e12 * 0.6), (sum(w.weights.values()) * 2 + w.act * 2) / (3.35e12 * 0.8))
+    assert prov.op_seconds(att, {k: "bf16" for k in att.params()}, w, 1, 2.0, 16) == pytest.approx(core + proj, rel=1e-9)
+    # the SSM state update streams fp32 state at mamba_memory (0.5): halving it doubles that part only
+    m = Mamba2(hidden=1024, heads=32, head_dim=64, state=128, groups=8)
+    wm = m.work(64, 1, 0, True, **ARGS)
+    prec = {k: "fp32" if k in m.fp32_params() else "bf16" for k in m.params()}
+    base = prov.op_seconds(m, prec, wm, 1, 2.0, 64)
+    slow = AnalyticProvider(h100, Efficiency(launch_seconds=0.0, mamba_memory=0.25)).op_seconds(m, prec, wm, 1, 2.0, 64)
+    state = (wm.state_read + wm.state_write) / 3.35e12
+    assert slow - base == pytest.approx(state / 0.25 - state / 0.5, rel=1e-9)
+
+
+def test_tensor_and_expert_parallel_collectives_by_hand():
+    prov = AnalyticProvider(TARGETS["8xb200"])
+    op = MoE(hidden=4096, experts=64, top_k=8, d_ff=512, shared_d_ff=0, latent=1024)
+    link = 1800e9 * 0.5
+    tokens = 256
+    allreduce = 2 * 7 / 8 * tokens * 4096 * 2 / link + 15e-6
+    all_to_all = 2 * 7 / 8 * (tokens / 8) * 8 * 1024 * 2 / link + 30e-6
+    assert prov.collective_seconds(op, tokens, 8, 2.0) == pytest.approx(allreduce + all_to_all, rel=1e-12)
+    att = Attention(hidden=4096, q_heads=32, kv_heads=2, head_dim=128)
+    assert prov.collective_seconds(att, tokens, 8, 2.0) == pytest.approx(allreduce, rel=1e-12)
+
+
+def _with_mtp(hidden=64):
+    blocks = [Mamba2(hidden, 4, 16, 16, 2), MoE(hidden, 8, 2, 128, 64), Attention(hidden, 4, 2, 16)]
+    mtp = MTP(hidden, (Attention(hidden, 4, 2, 16), MLP(hidden, 128)))
+    return ir.meta_weights(ir.assemble(Embed(256, hidden), blocks, Norm(hidden), LMHead(256, hidden), mtp,
+                                       meta={"dtype": "bfloat16"}))
+
+
+def test_mtp_head_residency_on_and_off():
+    prog = _with_mtp()
+    off = CostModel(prog, "h100", Scenario(context=100))
+    on = CostModel(prog, "h100", Scenario(context=100, mtp_resident=True))
+    # eh_proj 2*64*64, three norms, attention (norm, q 64x64, k and v 32x64, o 64x64), MLP (norm, up and down 64x128)
+    mtp_params = 8192 + 192 + (64 + 4096 + 2048 + 2048 + 4096) + (64 + 2 * 8192)
+    assert on.weight_bytes() - off.weight_bytes() == 2 * mtp_params == 74368
+    # the head's state: the last trunk hidden (bf16) and its attention's KV (2 x 32 channels x 100 tokens, bf16)
+    assert on.state_bytes_per_request() - off.state_bytes_per_request() == 64 * 2 + 2 * 32 * 100 * 2 == 12928
+    assert on.decode_step_seconds(4) == off.decode_step_seconds(4)  # plain decoding does not run it
+    mtp_path = next(n.path for n in prog.nodes if n.op.kind == "mtp")
+    head = next(n.op for n in prog.nodes if n.op.kind == "mtp")
+    assert on.node_costs(mtp_path, head, 4)["weight_bytes"] == 74368
+    assert off.node_costs(mtp_path, head, 4)["weight_bytes"] == 0.0
+
+
+def test_the_reserve_is_workspace_plus_the_activation_peak_in_bytes():
+    prog = _program()  # hidden 64: Mamba2 (4 heads x 16, state 16, 2 groups), MoE (8 x 128, top-2), attention
+    cm = CostModel(prog, "h100", Scenario(input_len=4096, prefill_chunk=1024))
+    # the Mamba block holds the most per token: 2*64 in/out + in_proj 196 + 2 * conv 128 + 2 * inner 64 = 708
+    assert cm.activation_bytes() == 1024 * 708 * 2 == 1449984
+    assert cm.reserve_bytes() == 4 * 2**30 + 1449984
+    node = CostModel(prog, "8xb200", Scenario(input_len=4096, prefill_chunk=1024, workspace_bytes=1e9))
+    assert node.reserve_bytes() == 8 * (1e9 + 1449984)
+    assert node.usable_memory() == 8 * 183359 * 2**20 - node.reserve_bytes()
+    short = CostModel(prog, "h100", Scenario(input_len=100, prefill_chunk=1024))  # a prompt shorter than a chunk
+    assert short.activation_bytes() == 100 * 708 * 2
+    with pytest.raises(PuzzlekitError, match="workspace_bytes"):
+        Scenario(workspace_bytes=-1).check()
+
+
+# -- properties -----------------------------------------------------------------------------------------------------
+SHRINKS = [(1, "experts"), (1, "d_ff"), (1, "top_k"), (1, "shared_d_ff"), (1, "latent"), (0, "state"),
+           (0, "head_dim"), (2, "q_heads")]
+
+
+def _three(moe=None, mamba=None, att=None, hidden=64):
+    blocks = [mamba or Mamba2(hidden, 4, 16, 16, 2), moe or MoE(hidden, 8, 4, 128, 64, latent=32),
+              att or Attention(hidden, 4, 2, 16)]
+    return ir.meta_weights(ir.assemble(Embed(256, hidden), blocks, Norm(hidden), LMHead(256, hidden),
+                                       meta={"dtype": "bfloat16"}))
+
+
+@settings(max_examples=30, deadline=None)
+@given(which=st.sampled_from(SHRINKS), frac=st.floats(0.1, 0.95), batch=st.integers(1, 2048),
+       target=st.sampled_from(["h100", "b200", "8xb200"]), recipe=st.sampled_from(["", "fp8", "nvfp4-hybrid"]),
+       input_len=st.integers(1, 50000), output_len=st.integers(0, 70000))
+def test_costs_never_increase_when_an_axis_shrinks(which, frac, batch, target, recipe, input_len, output_len):
+    layer, axis = which
+    parent = _three()
+    op = parent.blocks()[layer].op
+    full = getattr(op, axis)
+    step = op.kv_heads if axis == "q_heads" else 1
+    n = max(step, int(full * frac) // step * step)
+    if axis == "experts":
+        n = max(n, op.top_k)
+    small = op.resized(axis, n)
+    child = _three(**{("mamba", "moe", "att")[layer]: small})
+    if recipe == "nvfp4-hybrid" and target == "h100":
+        recipe = "fp8"
+    sc = Scenario(input_len=input_len, output_len=output_len, recipe=recipe)
+    a, b = CostModel(parent, target, sc), CostModel(child, target, sc)
+    tol = 1e-12
+    assert b.decode_step_seconds(batch) <= a.decode_step_seconds(batch) * (1 + tol)
+    assert b.prefill_seconds() <= a.prefill_seconds() * (1 + tol)
+    assert b.serve_seconds(batch) <= a.serve_seconds(batch) * (1 + tol)
+    assert b.weight_bytes() <= a.weight_bytes() and b.state_bytes_per_request() <= a.state_bytes_per_request()
+    assert b.reserve_bytes() <= a.reserve_bytes()
+
+
+@settings(max_examples=30, deadline=None)
+@given(context=st.integers(1, 10**6), more=st.integers(1, 10**6), target=st.sampled_from(["h100", "h200", "8xb200"]),
+       workspace=st.floats(0, 8e9))
+def test_concurrency_never_increases_when_context_grows(context, more, target, workspace):
+    prog = _three()
+    short = cost(prog, target, Scenario(context=context, workspace_bytes=workspace))
+    long = cost(prog, target, Scenario(context=context + more, workspace_bytes=workspace))
+    assert long.max_concurrency <= short.max_concurrency
+
+
+def test_the_cost_command_names_the_binding_constraint_and_headroom(capsys):
+    from puzzlekit.tools.cli import main
+    assert main(["cost", "--target", "h100", "--scenario", "chat"]) == 0
+    out = capsys.readouterr().out
+    assert "binding: " in out and "headroom: " in out and "GB reserve" in out
+    assert main(["cost", "--target", "h100", "--scenario", "chat", "--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["binding"] in ("memory", "rate floor", "compute", "concurrency")
+    assert set(j["headroom"]) == {"memory_bytes", "requests", "rate_tokens_per_second"}
+    assert j["headroom"]["requests"] == j["max_concurrency"] - j["max_batch"]
+
+
+@needs_configs
+def test_the_published_memory_figures():
+    """Puzzle-75B: about 70 GB (GiB) of NVFP4 weights for Super and 44.5 for the child; on one H100 at 1M
+    tokens, 1 request for Super and 8 for the child (goal 7-9)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+    import puzzle75b
+    parent, child = ir.load(SUPER), puzzle75b.build()
+    assert child.param_counts()["total"] == pytest.approx(75.3e9, rel=0.005)
+    assert child.param_counts()["active"] == pytest.approx(9.3e9, rel=0.005)
+    p, c = (cost(x, "h100", "long-1m", recipe="nvfp4-hybrid") for x in (parent, child))
+    assert p.weight_bytes / 2**30 == pytest.approx(70, rel=0.10) and c.weight_bytes / 2**30 == pytest.approx(44.5, rel=0.10)
+    assert p.max_concurrency == 1 and 7 <= c.max_concurrency <= 9
+    assert p.binding == c.binding == "memory"
