@@ -111,8 +111,8 @@ class Efficiency:
     compute: float = 0.6  # dense GEMMs with many rows
     memory: float = 0.8  # streaming weight reads
     moe_half_tokens: float = 64.0  # tokens per expert at which a grouped GEMM reaches half of `compute`
-    attention_compute: float = 0.4  # fused (flash) attention, prefill
-    attention_memory: float = 0.6  # decode attention reading the KV cache
+    attention_compute: float = 0.6  # fused (flash) attention, prefill
+    attention_memory: float = 0.7  # decode attention reading the KV cache
     mamba_compute: float = 0.2  # chunked SSD scan and causal conv, prefill
     mamba_memory: float = 0.5  # decode state update: reads and writes the SSM state
     link: float = 0.5  # fraction of the (bidirectional) NVLink bandwidth a collective's bus bandwidth reaches
