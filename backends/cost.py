@@ -406,27 +406,35 @@ class CostModel:
         return self.decode_step_seconds(batch) + self.prefill_share(batch) * self.prefill_seconds()
 
     def check_whole_model(self, batch: int = 1, tolerance: float = 0.15) -> dict:
-        """Measured provider: the summed op times against the whole model timed the same way (a decode step at
-        `batch` and the mean decode context, a prefill of the input). When either is off by more than
-        `tolerance`, the cached times are dropped, timed again together and compared once more. Returns the
-        last comparison and whether the times were re-taken."""
+        """Measured provider: the whole model (a decode step at `batch` and the mean decode context, a prefill
+        of the input) timed in the same turns as its ops, against their sum. When the times the model was
+        priced with (cached or earlier) differ from these fresh ones by more than `tolerance`, the cache is
+        dropped and the fresh times replace it. Returns the fresh predicted and measured figures, their ratio,
+        and whether the earlier times were replaced."""
         if not isinstance(self.provider, MeasuredProvider):
             raise PuzzlekitError(f"a whole-model check measures this machine; {self.target.name} is priced "
                                  "analytically (use the cpu target)")
-        s, retimed = self.scenario, False
-        while True:
-            pred = (self.decode_step_seconds(batch), self.prefill_seconds())
-            meas = self.provider.measure_model(self.prog, batch, s.decode_context, s.input_len)
-            ratios = [p / m for p, m in zip(pred, meas)]
-            if retimed or all(abs(r - 1) <= tolerance for r in ratios):
-                break
-            self.provider.invalidate(f"whole model predicted/measured {ratios[0]:.2f} (decode), "
-                                     f"{ratios[1]:.2f} (prefill), beyond {tolerance:.0%}")
-            self._memo.clear()
-            self._node_memo.clear()
-            retimed = True
-        return {"decode": {"predicted": pred[0], "measured": meas[0], "ratio": ratios[0]},
-                "prefill": {"predicted": pred[1], "measured": meas[1], "ratio": ratios[1]}, "retimed": retimed}
+        s = self.scenario
+        before = (self.decode_step_seconds(batch), self.prefill_seconds())
+        ops = list(dict.fromkeys(n.op for n in self.prog.nodes if n.op.kind != "mtp"))
+        shapes = ((batch, 1, s.decode_context, True), (1, s.input_len, 0, False))
+        items = [(op, *sh) for sh in shapes for op in ops]
+        runs = self.provider.model_runs(self.prog, batch, s.decode_context, s.input_len)
+        fresh, measured = self.provider.measure_together(items, runs)
+        by_op = dict(zip(items, fresh))
+        pred = [self.provider.step_overhead() + sum(by_op[(n.op, *sh)] for n in self.prog.nodes if n.op.kind != "mtp")
+                for sh in shapes]
+        drift = [b / p for b, p in zip(before, pred)]
+        retimed = any(abs(d - 1) > tolerance for d in drift)
+        if retimed:
+            self.provider.invalidate(f"the times priced earlier were {drift[0]:.2f}x (decode) and {drift[1]:.2f}x "
+                                     f"(prefill) the whole-model check's, beyond {tolerance:.0%}")
+            self.provider.store(items, fresh)  # the check's own times, taken with the whole model
+        self._memo.clear()
+        self._node_memo.clear()
+        return {"decode": {"predicted": pred[0], "measured": measured[0], "ratio": pred[0] / measured[0]},
+                "prefill": {"predicted": pred[1], "measured": measured[1], "ratio": pred[1] / measured[1]},
+                "retimed": retimed}
 
     def report(self) -> CostReport:
         s = self.scenario

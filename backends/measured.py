@@ -1,7 +1,7 @@
 """The `cpu` cost provider: op times measured on this machine, taken together and re-checked.
 
 A search sums per-op times and compares the sums, so the times must be comparable. Every op a pricing
-needs is timed in one round-robin (op A, op B, ..., then A, B, ... again; the median of each), so a change
+needs is timed in one round-robin (op A, op B, ..., then A, B, ... again; the mean of each), so a change
 in the machine's load moves all of them alike. Times are cached on disk under the conditions that set them
 (CPU model, cores, threads, torch version, default dtype); a cache written under other conditions is not
 read. A matching cache is still re-checked: the first time a provider uses it, a few of its entries are
@@ -43,7 +43,7 @@ def conditions() -> dict:
 
 
 class MeasuredProvider:
-    """Times op variants on this machine (torch eager, warm-up, median of `repeats` round-robin passes).
+    """Times op variants on this machine (torch eager, warm-up, mean of `repeats` round-robin passes).
 
     Timing allocates real tensors, so it is bounded, not extrapolated: a decode timing's state (fp32, plus
     the copy that grows it) must fit `budget_bytes` (the batch search stops below it), and a prefill runs
@@ -65,6 +65,7 @@ class MeasuredProvider:
         self.timer = timer
         self.conditions = conditions_fn()
         self._cache = self._load()
+        self._loaded = set(self._cache)  # times read from disk (not taken by this provider): re-checked once
         self._checked = False  # whether this provider has re-checked the cache it read
         self.invalidated = ""  # why the cache was dropped, when it was
         self.timed = 0  # op timings taken by this provider (spot checks included)
@@ -89,6 +90,7 @@ class MeasuredProvider:
     def invalidate(self, reason: str) -> None:
         """Drops every cached time (they are timed again when next needed)."""
         self._cache.clear()
+        self._loaded.clear()
         self.invalidated = reason
         self._save()
 
@@ -131,12 +133,12 @@ class MeasuredProvider:
             self._bound(*it)
         keys = [self.key(*it) for it in items]
         if not self._checked:
-            cached = list(dict.fromkeys(k for k in keys if k in self._cache))[: self.spot_checks]
+            cached = list(dict.fromkeys(k for k in keys if k in self._loaded))[: self.spot_checks]
             if cached:
                 self._spot_check([items[keys.index(k)] for k in cached], cached)
         todo = {k: it for k, it in zip(keys, items) if k not in self._cache}
         if todo:
-            self._cache.update(zip(todo, self._measure(list(todo.values()))))
+            self._cache.update(zip(todo, self._measure(list(todo.values()))[0]))
             self._save()
         return [self._cache[k] for k in keys]
 
@@ -145,31 +147,51 @@ class MeasuredProvider:
 
     def _spot_check(self, items, keys) -> None:
         self._checked = True
-        for k, fresh in zip(keys, self._measure(items)):
+        for k, fresh in zip(keys, self._measure(items)[0]):
             old = self._cache[k]
             if old <= 0 or abs(fresh / old - 1) > self.tolerance:
                 self.invalidate(f"a cached time re-measured at {fresh / old if old > 0 else math.inf:.2f}x its "
                                 f"cached value (tolerance {self.tolerance:.0%})")
                 return
 
-    def _measure(self, items: list[tuple]) -> list[float]:
-        """Medians of round-robin timings, in groups whose decode states fit the memory budget together."""
-        out, group, used = [], [], 0
+    def _measure(self, items: list[tuple], extra: list = ()) -> tuple[list[float], list[float]]:
+        """Medians of round-robin timings of the ops in `items` (and of the callables in `extra`, in the same
+        turns), in groups whose decode states fit the memory budget together."""
+        groups, group, used = [], [], 0
         for it in items:
             need = self.state_bytes(*it[:2], it[3]) if it[4] else 0
             if group and used + need > self.budget_bytes:
-                out += self._round_robin(group)
+                groups.append(group)
                 group, used = [], 0
             group.append(it)
             used += need
-        return out + (self._round_robin(group) if group else [])
+        groups.append(group)
+        out, more = [], []
+        for i, g in enumerate(groups):
+            runs = [self._runner(*it) for it in g] + (list(extra) if i == len(groups) - 1 else [])
+            got = self.interleaved(runs)
+            out, more = out + got[:len(g)], got[len(g):]
+        return out, more
 
-    def _round_robin(self, items: list[tuple]) -> list[float]:
-        runs = [self._runner(*it) for it in items]
-        return self.interleaved(runs)
+    def measure_together(self, items: list[tuple], extra: list) -> tuple[list[float], list[float]]:
+        """Times ops and other callables (whole models) in the same turns, so they can be compared; the op
+        times replace the cached ones."""
+        for it in items:
+            self._bound(*it)
+        ops, more = self._measure(items, extra)
+        self.store(items, ops)
+        return ops, more
+
+    def store(self, items: list[tuple], seconds: list[float]) -> None:
+        self._cache.update({self.key(*it): t for it, t in zip(items, seconds)})
+        self._save()
 
     def interleaved(self, runs: list) -> list[float]:
-        """Median seconds of each callable, timed in turns (A, B, C, A, B, C, ...) after warm-up."""
+        """Mean seconds of each callable, timed in turns (A, B, C, A, B, C, ...) after warm-up.
+
+        The mean, not the median: on a loaded machine a run is preempted with a probability that grows
+        with its length, so a long run (the whole model) almost always includes a pause that short runs
+        (single ops) mostly miss. Medians then price the parts below the whole; means stay additive."""
         with torch.no_grad():
             for _ in range(self.warmup):
                 for r in runs:
@@ -181,7 +203,7 @@ class MeasuredProvider:
                     r()
                     s.append(self.timer() - t0)
         self.timed += len(runs)
-        return [statistics.median(s) for s in samples]
+        return [statistics.fmean(s) for s in samples]
 
     @torch.no_grad()
     def _runner(self, op, batch, tokens, context, decode):
@@ -201,8 +223,8 @@ class MeasuredProvider:
         if op.is_block and decode and op.state_shapes():
             state = tuple(torch.randn(*[{"B": batch, "L": context}.get(d, d) for d in shape], generator=g)
                           for shape in op.state_shapes().values())
-        if op.is_block:
-            return lambda: m(x, state, decode)
+        if op.is_block:  # the runtime hands states back in one layout (ProgramModule.contiguous_state): so here
+            return lambda: [t.contiguous() for t in m(x, state, decode)[1]]
         return lambda: m(x)
 
     @staticmethod
@@ -222,11 +244,6 @@ class MeasuredProvider:
         tok = torch.randint(0, vocab, (batch,), generator=g)
         prompt = torch.randint(0, vocab, (1, prefill_tokens), generator=g)
         return [lambda: m.decode(tok, state), lambda: m.prefill(prompt)]
-
-    def measure_model(self, prog, batch: int, context: int, prefill_tokens: int) -> tuple[float, float]:
-        """The whole trunk's decode step and prefill, timed in turns like the ops."""
-        decode_s, prefill_s = self.interleaved(self.model_runs(prog, batch, context, prefill_tokens))
-        return decode_s, prefill_s
 
     def step_overhead(self) -> float:
         return 0.0

@@ -269,21 +269,35 @@ def test_the_ops_of_a_step_are_timed_together(tmp_path, monkeypatch):
     prog = _program(hidden=32)
     prov = _provider(tmp_path / "t.json", 1e-3)
     groups = []
-    real = MeasuredProvider._round_robin
-    monkeypatch.setattr(MeasuredProvider, "_round_robin", lambda self, items: groups.append(items) or real(self, items))
+    real = MeasuredProvider._measure
+    monkeypatch.setattr(MeasuredProvider, "_measure", lambda self, items, extra=(): groups.append(items) or real(self, items, extra))
     CostModel(prog, "cpu", Scenario(input_len=64, output_len=8), provider=prov).decode_step_seconds(3)
     distinct = {n.op for n in prog.nodes if n.op.kind != "mtp"}
     assert len(groups) == 1 and {it[0] for it in groups[0]} == distinct and all(it[1] == 3 for it in groups[0])
 
 
-def test_the_whole_model_check_retimes_when_the_sum_is_off(tmp_path, small_program):
+def test_the_whole_model_check_times_ops_and_model_together(tmp_path, small_program, monkeypatch):
     prog = small_program
-    cm = CostModel(prog, "cpu", Scenario(input_len=16, output_len=4), provider=_provider(tmp_path / "t.json", 1e-3))
-    # every timed call lasts 1 ms: the ops sum to one per node, the whole model measures 1 ms
+    prov = _provider(tmp_path / "t.json", 1e-3)
+    cm = CostModel(prog, "cpu", Scenario(input_len=16, output_len=4), provider=prov)
+    before = cm.decode_step_seconds(2)
+    cm.prefill_seconds()
+    groups = []
+    real = MeasuredProvider.interleaved
+    monkeypatch.setattr(MeasuredProvider, "interleaved", lambda self, runs: groups.append(len(runs)) or real(self, runs))
     got = cm.check_whole_model(batch=2)
+    ops = len({n.op for n in prog.nodes if n.op.kind != "mtp"})
+    assert groups == [2 * ops + 2]  # decode and prefill of every op and of the whole model, in one round-robin
     nodes = len([n for n in prog.nodes if n.op.kind != "mtp"])
-    assert got["retimed"] and "whole model" in cm.provider.invalidated
+    # every timed call lasts 1 ms: the ops sum to one per node, the whole model measures 1 ms
+    assert got["decode"]["predicted"] == pytest.approx(before) == pytest.approx(nodes * 1e-3)
     assert got["decode"]["ratio"] == pytest.approx(nodes) and got["prefill"]["measured"] == pytest.approx(1e-3)
+    assert not got["retimed"] and not prov.invalidated  # the times it was priced with agree with the fresh ones
+    # the machine slows down: the check finds the cached times off, drops them and keeps its own
+    prov.timer = Clock(3e-3)
+    got = cm.check_whole_model(batch=2)
+    assert got["retimed"] and "0.33x (decode)" in prov.invalidated
+    assert cm.decode_step_seconds(2) == pytest.approx(nodes * 3e-3)
     with pytest.raises(PuzzlekitError, match="measures this machine"):
         CostModel(prog, "h100", Scenario()).check_whole_model()
 
