@@ -255,6 +255,7 @@ class CostModel:
         self._node_memo: dict = {}
         self._recipe_paths = [r.path for r in get_recipe(scenario.recipe).rules] if scenario.recipe else []
         self.precisions = {n.path: self._precisions(n.path, n.op) for n in prog.nodes}
+        self._prec_keys = {path: tuple(p.items()) for path, p in self.precisions.items()}  # hashed once
         self._memo: dict = {}  # identical layers (same spec, precisions, routing) are priced once per shape
         self._activation = None
 
@@ -365,23 +366,23 @@ class CostModel:
             todo = list(dict.fromkeys(n.op for n in nodes))
             secs = dict(zip(todo, self.provider.times([(op, batch, tokens, context, decode) for op in todo])))
             for n in nodes:
-                self._memo[self._memo_key(n.op, self.precisions[n.path], self.routing.get(n.path), batch, tokens,
+                self._memo[self._memo_key(n.op, self._prec_keys[n.path], self.routing.get(n.path), batch, tokens,
                                           context, decode)] = secs[n.op]
         for n in self.prog.nodes:
             if n.op.kind == "mtp":
                 continue  # the head drafts only with speculative decoding, which is not priced
-            sec = self._priced(n.op, self.precisions[n.path], self.routing.get(n.path), batch, tokens, context, decode)
+            sec = self._priced(n.op, self.precisions[n.path], self.routing.get(n.path), batch, tokens, context, decode,
+                               self._prec_keys[n.path])
             per_kind[n.op.kind] = per_kind.get(n.op.kind, 0.0) + sec
             total += sec
         return total, per_kind
 
     @staticmethod
-    def _memo_key(op, precisions, routing, batch, tokens, context, decode) -> tuple:
-        return (op, tuple(precisions.items()), None if routing is None else tuple(routing), batch, tokens, context,
-                decode)
+    def _memo_key(op, prec_key: tuple, routing, batch, tokens, context, decode) -> tuple:
+        return (op, prec_key, None if routing is None else tuple(routing), batch, tokens, context, decode)
 
-    def _priced(self, op, precisions, routing, batch, tokens, context, decode) -> float:
-        key = self._memo_key(op, precisions, routing, batch, tokens, context, decode)
+    def _priced(self, op, precisions, routing, batch, tokens, context, decode, prec_key=None) -> float:
+        key = self._memo_key(op, prec_key or tuple(precisions.items()), routing, batch, tokens, context, decode)
         if key not in self._memo:
             self._memo[key] = self._op_seconds(op, precisions, routing, batch, tokens, context, decode)
         return self._memo[key]
@@ -444,7 +445,8 @@ class CostModel:
         usable, avail = self.usable_memory(), self.memory_available()
         max_conc = int(max(0, avail) // state) if state > 0 else (10**9 if avail > 0 else 0)
         limit = min(max_conc, s.concurrency) if s.concurrency else max_conc
-        ok = (lambda b: True) if s.rate_floor <= 0 else (lambda b: 1.0 / self.serve_seconds(b) >= s.rate_floor)
+        serving = lambda b: self.decode_step_seconds(b) + self.prefill_share(b) * prefill  # noqa: E731
+        ok = (lambda b: True) if s.rate_floor <= 0 else (lambda b: 1.0 / serving(b) >= s.rate_floor)
         best, infeasible, binding = 0, "", ""
         cap = self.provider.max_batch
         if isinstance(self.provider, MeasuredProvider):
@@ -459,7 +461,7 @@ class CostModel:
         elif not ok(1):
             binding = "rate floor"
             infeasible = (f"rate floor: {s.rate_floor:g} tokens/s per user wanted, batch 1 reaches "
-                          f"{1 / self.serve_seconds(1):.1f}")
+                          f"{1 / serving(1):.1f}")
         else:
             lo, hi = 1, min(limit, cap)
             while lo < hi:  # serving time grows with the batch: the largest batch meeting the floor

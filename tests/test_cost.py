@@ -375,7 +375,7 @@ def test_attention_and_ssm_kernels_have_their_own_efficiency():
     w = att.work(16, 1, 4096, True, **ARGS)
     gemm = 2 * 16 * (1024 * 1024 * 2 + 2 * 256 * 1024)
     kv = 16 * 4096 * 2 * 256 * 2 + 16 * 2 * 256 * 2
-    core = max((w.flops - gemm) / (989e12 * 0.4), kv / (3.35e12 * 0.6))
+    core = max((w.flops - gemm) / (989e12 * 0.6), kv / (3.35e12 * 0.7))
     proj = max(gemm / (989e12 * 0.6), (sum(w.weights.values()) * 2 + w.act * 2) / (3.35e12 * 0.8))
     assert prov.op_seconds(att, {k: "bf16" for k in att.params()}, w, 1, 2.0, 16) == pytest.approx(core + proj, rel=1e-9)
     # the SSM state update streams fp32 state at mamba_memory (0.5): halving it doubles that part only
