@@ -311,13 +311,19 @@ class CostModel:
                 "params": sum(math.prod(sh) for sh in shapes.values()), "active_params": op.active_params()}
 
     def prepare(self, ops, batch: int, context: int | None = None) -> None:
-        """Times `ops` (a search's variants) together before `node_costs` asks for them one by one, so the
-        measured provider's times are taken under the same conditions; a no-op for analytic targets."""
+        """Times `ops` (a search's variants and the parent's ops) together before `node_costs` asks for them
+        one by one, so the measured provider's times compare like with like; a no-op for analytic targets."""
         if isinstance(self.provider, MeasuredProvider):
             ops = list(dict.fromkeys(op for op in ops if op.kind != "mtp"))
             s = self.scenario
-            self.provider.times([(op, batch, 1, context or s.decode_context, True) for op in ops]
-                                + [(op, 1, s.input_len, 0, False) for op in ops])
+            items = ([(op, batch, 1, context or s.decode_context, True) for op in ops]
+                     + [(op, 1, s.input_len, 0, False) for op in ops])
+            if all(self.provider.has(it) for it in items):
+                self.provider.times(items)  # all cached: spot-checked
+            else:  # the ones timed before (the parent's, by its report) again, with the new ones
+                self.provider.measure_together(items, [])
+                self._memo.clear()
+                self._node_memo.clear()
 
     def prefill_share(self, batch: int) -> float:
         """Prefills per decode step in steady state: each of `batch` users finishes a request (and a new

@@ -94,6 +94,10 @@ class MeasuredProvider:
         self.invalidated = reason
         self._save()
 
+    def has(self, item: tuple) -> bool:
+        """Whether (op, batch, tokens, context, decode) has a time (cached or taken by this provider)."""
+        return self.key(*item) in self._cache
+
     @staticmethod
     def key(op, batch, tokens, context, decode) -> str:
         return json.dumps([op.kind, {k: v for k, v in op.attrs().items() if k != "blocks"},

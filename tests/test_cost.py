@@ -276,6 +276,24 @@ def test_the_ops_of_a_step_are_timed_together(tmp_path, monkeypatch):
     assert len(groups) == 1 and {it[0] for it in groups[0]} == distinct and all(it[1] == 3 for it in groups[0])
 
 
+def test_a_search_times_its_variants_with_the_parents_ops(tmp_path, monkeypatch):
+    prog = _program(hidden=32)
+    cm = CostModel(prog, "cpu", Scenario(input_len=64, output_len=8), provider=_provider(tmp_path / "t.json", 1e-3))
+    cm.decode_step_seconds(2)
+    cm.prefill_seconds()  # the parent priced (as the search's baseline report does)
+    groups = []
+    real = MeasuredProvider._measure
+    monkeypatch.setattr(MeasuredProvider, "_measure", lambda self, items, extra=(): groups.append(items) or real(self, items, extra))
+    moe = next(n for n in prog.nodes if n.op.kind == "moe")
+    variant = moe.op.resized("top_k", 1)
+    cm.prepare([n.op for n in prog.nodes] + [variant], 2)
+    ops = {n.op for n in prog.nodes if n.op.kind != "mtp"} | {variant}
+    assert len(groups) == 1 and {it[0] for it in groups[0]} == ops and len(groups[0]) == 2 * len(ops)
+    cm.prepare([n.op for n in prog.nodes] + [variant], 2)  # all timed now: nothing more
+    assert len(groups) == 1
+    assert cm.node_costs(moe.path, variant, 2)["decode_seconds"] == pytest.approx(1e-3)
+
+
 def test_the_whole_model_check_times_ops_and_model_together(tmp_path, small_program, monkeypatch):
     prog = small_program
     prov = _provider(tmp_path / "t.json", 1e-3)
