@@ -44,10 +44,13 @@ class Target:
         return dataclasses.replace(self, name=f"{devices}x{self.name}", devices=devices)
 
 
-H100 = Target("h100", "gpu", 80 * GB, 3.35 * TB, {"bf16": 989e12, "fp8": 1979e12}, "sm_90", 1, 900 * GB, 132, 50e6,
+MIB = 2**20
+#: memory is what the driver reports (nvidia-smi: 81559 / 143771 / 183359 MiB): the "80 / 141 / 180 GB" of the
+#: datasheets are binary gigabytes, less what the driver keeps
+H100 = Target("h100", "gpu", 81559 * MIB, 3.35 * TB, {"bf16": 989e12, "fp8": 1979e12}, "sm_90", 1, 900 * GB, 132, 50e6,
               {"arch": "sm_90", "fp4": False})
-H200 = dataclasses.replace(H100, name="h200", memory_bytes=141 * GB, bandwidth=4.8 * TB)
-B200 = Target("b200", "gpu", 180 * GB, 7.7 * TB, {"bf16": 2250e12, "fp8": 4500e12, "nvfp4": 9000e12}, "sm_100", 1,
+H200 = dataclasses.replace(H100, name="h200", memory_bytes=143771 * MIB, bandwidth=4.8 * TB)
+B200 = Target("b200", "gpu", 183359 * MIB, 7.7 * TB, {"bf16": 2250e12, "fp8": 4500e12, "nvfp4": 9000e12}, "sm_100", 1,
               1800 * GB, 148, 126e6, {"arch": "sm_100", "fp4": True})
 #: the local CPU; its numbers are rough and only used by the analytic provider, the measured provider times it
 CPU = Target("cpu", "cpu", 24 * GB, 20 * GB, {"fp32": 100e9, "bf16": 50e9})

@@ -229,7 +229,8 @@ def _cost(args) -> int:
     from ..ir.printer import format_table
 
     prog = _model(args)
-    r = cost(prog, args.target, args.scenario, recipe=args.recipe, gpus=args.gpus, concurrency=args.concurrency)
+    r = cost(prog, args.target, args.scenario, recipe=args.recipe, gpus=args.gpus, concurrency=args.concurrency,
+             mtp_resident=args.mtp or None)
     s = r.scenario
     gb = 1e9
     rows = [("kind", "count", "weights GB", "state MB/req", "decode ms", "prefill ms")]
@@ -241,10 +242,16 @@ def _cost(args) -> int:
     table = format_table(rows).rstrip("\n")
     head = (f"{r.target}, scenario {s.name}: {s.input_len} in / {s.output_len} out, context {s.context_len}, "
             f"rate floor {s.rate_floor:g} tok/s, KV {s.kv_dtype}, weights {s.recipe or 'bf16'}\n")
+    h = r.headroom
     tail = (f"\nparams {r.params_total / 1e9:.2f}B total, {r.params_active / 1e9:.2f}B active\n"
+            f"memory: {r.weight_bytes / gb:.2f} GB weights, {r.reserve_bytes / gb:.2f} GB reserve (workspace and "
+            f"activations), {r.state_bytes_per_request / gb:.3f} GB state per request\n"
             f"max concurrency at context {s.context_len}: {r.max_concurrency}\n"
-            f"max batch meeting the rate floor: {r.max_batch} (decode step {r.decode_step_seconds * 1e3:.3f} ms)\n"
-            f"throughput: {r.throughput_tokens_per_second:,.0f} tokens/s; prefill {r.prefill_seconds:.3f} s\n")
+            f"max batch meeting the rate floor: {r.max_batch} (decode step {r.decode_step_seconds * 1e3:.3f} ms, "
+            f"serving step with prefills {r.serve_step_seconds * 1e3:.3f} ms)\n"
+            f"throughput: {r.throughput_tokens_per_second:,.0f} tokens/s; prefill {r.prefill_seconds:.3f} s\n"
+            f"binding: {r.binding or 'none'}; headroom: {h['memory_bytes'] / gb:.2f} GB memory "
+            f"({h['requests']} more requests), {h['rate_tokens_per_second']:.1f} tokens/s per user above the floor\n")
     if r.infeasible:
         tail += f"infeasible: {r.infeasible}\n"
     _emit(args, r.to_json(), head + table + tail)
@@ -378,6 +385,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--recipe", help="weight precisions: bf16, fp8, nvfp4, nvfp4-hybrid")
     c.add_argument("--gpus", type=positive_int, help="devices to use (tensor parallel; default: all of the target)")
     c.add_argument("--concurrency", type=positive_int, help="requests served at once (default: as many as fit)")
+    c.add_argument("--mtp", action="store_true", help="keep the MTP head resident (serving with speculative decoding)")
     c.set_defaults(run=_cost)
 
     x = sub.add_parser("export-onnx", help="lower a model to prefill/decode ONNX graphs, linted for TensorRT")

@@ -187,7 +187,7 @@ def _relative(search, plan, key: str) -> float:
     constrained quantity's ratio."""
     if key == "speedup":
         base = search.base[0]
-        return (plan.batch / plan.predicted["decode_seconds"]) / (base.max_batch / base.decode_step_seconds)
+        return (plan.batch / plan.predicted["serve_seconds"]) / (base.max_batch / base.serve_step_seconds)
     name = {"decode_ms": "latency_seconds", "prefill_s": "prefill_seconds", "concurrency": "memory_bytes",
             "max_params": "params", "max_active": "active_params"}[key]
     return plan.predicted[name] / plan.parent[name]
@@ -205,8 +205,7 @@ def deployment(parent, child, args) -> dict:
         out[name] = {"predicted": {"weight_gb": r.weight_bytes / 1e9, "max_batch": r.max_batch,
                                    "max_concurrency": r.max_concurrency,
                                    "decode_step_ms": r.decode_step_seconds * 1e3,
-                                   "tokens_per_second": r.max_batch / r.decode_step_seconds
-                                   if r.decode_step_seconds else 0.0}}
+                                   "tokens_per_second": r.throughput_tokens_per_second}}
         if args.target == "cpu" and r.max_batch:
             out[name]["measured"] = {"tokens_per_second": measured_throughput(prog, r.max_batch)}
     return out

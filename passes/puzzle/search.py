@@ -180,7 +180,10 @@ class Search:
         """Per-option costs, the fixed part outside the blocks and the parent's blocks' total, for one target
         at one batch."""
         blocks = {n.path for n in self.parent.blocks()}
-        fixed = {"decode_seconds": cm.step_overhead(), "prefill_seconds": cm.step_overhead()}
+        cm.prepare([n.op for n in self.parent.nodes] + self.specs + [self.lib.spec(r) for r in self.parents.values()],
+                   batch, context)
+        fixed = {"decode_seconds": cm.step_overhead(), "prefill_seconds": cm.step_overhead(),
+                 "serve_seconds": cm.step_overhead() * (1 + cm.prefill_share(batch))}
         for n in self.parent.nodes:
             if n.path not in blocks:
                 for k, v in cm.node_costs(n.path, n.op, batch, context, cm.routing.get(n.path)).items():
@@ -200,18 +203,19 @@ class Search:
         for t, (cm, batch) in enumerate(zip(self.models, batch_of)):
             tag = f"{cm.target.name}/{cm.scenario.name}"
             s = cm.scenario
-            context = c.context or s.context_len
+            context = c.context or None  # None: the scenario's (full context for memory, mean for decode)
             opt, fixed, par = self.costs(cm, batch, context)
-            usable = cm.target.memory_bytes * cm.devices * (1 - s.memory_reserve)
+            usable = cm.usable_memory()  # the parent's reserve: a child's activation peak is no larger
             want = {}
             if c.speedup:
                 base = self.base[t]
                 if not base.max_batch:
                     raise PassError(f"{tag}: the parent itself cannot serve this scenario ({base.infeasible}); "
                                     "a throughput target relative to it is undefined")
-                budget = batch * base.decode_step_seconds / (c.speedup * base.max_batch)
-                want["decode_seconds"] = (opt, fixed, par, "decode_seconds", min(budget, 1 / s.rate_floor)
-                                          if s.rate_floor else budget)
+                # throughput is batch / serving step (a decode step plus its share of prefills)
+                budget = batch * base.serve_step_seconds / (c.speedup * base.max_batch)
+                want["serve_seconds"] = (opt, fixed, par, "serve_seconds", min(budget, 1 / s.rate_floor)
+                                         if s.rate_floor else budget)
                 want["memory_bytes"] = self._memory(opt, fixed, par, requests=batch) + (usable,)
             if c.concurrency:
                 want["memory_bytes"] = self._memory(opt, fixed, par, requests=c.concurrency) + (usable,)
