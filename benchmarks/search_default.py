@@ -32,7 +32,7 @@ def main() -> None:
     search = Search(lib, parent, [(args.target, args.scenario)], constraints=Constraints(speedup=args.speedup))
     held = sequential_windows(load_corpus(None).valid, 257, limit=16)
     teacher = materialize(parent)
-    rows = [("method", "summed score", "KL", "top-1", "params", "decode step / budget", "batch", "solve s")]
+    rows = [("method", "summed score", "KL", "top-1", "params", "serving step / budget", "batch", "solve s")]
     for method in ("mip", "uniform", "greedy"):
         try:
             plan = search.plan(method)
