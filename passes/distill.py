@@ -264,6 +264,8 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
     torch.manual_seed(d.seed)
     student, teacher = materialize(prog, dtype=torch.float32), materialize(teacher_prog, dtype=torch.float32)
     teacher.requires_grad_(False)
+    for param in student.parameters():  # the store's tensors are shared with the teacher and snapshots:
+        param.data = param.data.clone()  # training must update copies
     head = [n.path for n in prog.nodes if n.op.kind == "mtp"]
     if d.head_only:
         if not head:

@@ -51,8 +51,11 @@ def test_identical_student_and_teacher_give_zero_kl_cos_and_mtp_losses(parent):
 
 
 def test_distillation_lowers_the_childs_kl_to_its_teacher(parent):
-    child = _pruned(parent)
+    from puzzlekit.passes.puzzle.library import parent_hash
+
+    child, before = _pruned(parent), parent_hash(parent)
     report = distill(child, parent, Distill(steps=20, batch=4, seq=64, eval_every=10, eval_windows=4, lr=1e-3))
+    assert parent_hash(parent) == before  # the teacher (sharing its tensors with the child) is untouched
     assert report["steps"] == 20 and len(report["log"]) == 20
     assert report["after"]["kl"] < 0.8 * report["before"]["kl"], report
     assert set(report["log"][0]) >= {"kl", "cos", "mtp", "lr"}
