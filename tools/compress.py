@@ -186,8 +186,7 @@ def _relative(search, plan, key: str) -> float:
     """The child's figure for `key` over the parent's: throughput ratio for a speedup target, else the
     constrained quantity's ratio."""
     if key == "speedup":
-        base = search.base[0]
-        return (plan.batch / plan.predicted["serve_seconds"]) / (base.max_batch / base.serve_step_seconds)
+        return search.throughput_ratio(plan)
     name = {"decode_ms": "latency_seconds", "prefill_s": "prefill_seconds", "concurrency": "memory_bytes",
             "max_params": "params", "max_active": "active_params"}[key]
     return plan.predicted[name] / plan.parent[name]

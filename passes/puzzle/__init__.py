@@ -113,5 +113,7 @@ class Puzzle(Pass):
                                                     "parent": plan.parent, "objective": plan.objective,
                                                     "params": plan.params_total, "rescored": bool(later),
                                                     "batch": plan.batch,
-                                                    "parent_batch": search.base[0].max_batch if search.base else 1})
+                                                    "parent_batch": search.base[0].max_batch if search.base else 1,
+                                                    "throughput_ratio": search.throughput_ratio(plan)})
         return Preserved.none()
+

@@ -322,6 +322,14 @@ class Search:
                     {k: sol.totals[k] + pr.fixed[k] for k in pr.costs}, pr.parent, pr.bound, counts["total"],
                     counts["active"], sol.objective, self.score_source, sol.status, sol.gap, seconds, batch)
 
+    def throughput_ratio(self, plan: Plan) -> float:
+        """The child's predicted throughput over the parent's on the first target (0 without a speedup target)."""
+        key = next((k for k in plan.predicted if k.startswith("serve_seconds")), None)
+        if not self.base or key is None:
+            return 0.0
+        base = self.base[0]
+        return (plan.batch / plan.predicted[key]) / (base.max_batch / base.serve_step_seconds)
+
     def child(self, rows: list[dict], weights: bool = False) -> Program:
         """The parent with each layer replaced by its chosen variant (shapes only, or with its library weights)."""
         return realise(self.parent.copy(), self.lib, rows, weights)
