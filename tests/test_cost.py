@@ -1,7 +1,6 @@
 """The cost model: hand-computed work per op, memory, the roofline, properties, named scenarios."""
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -106,17 +105,15 @@ def test_super_state_matches_published_figures():
 
 
 @needs_configs
-def test_both_configs_cost_on_every_gpu_target_in_under_a_second():
+def test_both_configs_cost_on_every_gpu_target():
     for cfg in (SUPER, NANO):
         prog = ir.load(cfg)
         for name, target in TARGETS.items():
             if target.kind != "gpu":
                 continue
             for sc in ("long-1m", "decode-heavy", "prefill-heavy"):
-                t0 = time.perf_counter()
                 r = cost(prog, name, sc)
-                assert time.perf_counter() - t0 < 1.0, (cfg.name, name, sc)
-                assert r.weight_bytes > 0 and r.prefill_seconds > 0
+                assert r.weight_bytes > 0 and r.prefill_seconds > 0, (cfg.name, name, sc)
 
 
 @needs_configs
