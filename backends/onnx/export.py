@@ -138,7 +138,7 @@ def _save(model: onnx.ModelProto, path: Path, threshold: int = 1024) -> None:
     onnx.save_model(model, str(path))
 
 
-def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwrite: bool = False,
+def export_onnx(prog: Program, out, target="cpu", opset: int = 23, overwrite: bool = False,
                 provenance: dict | None = None) -> ExportReport:
     """Writes prefill.onnx and decode.onnx (+ external data) into `out`, atomically.
 
@@ -150,7 +150,7 @@ def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwr
     from .quant import activation_qdq, lower_quantized
 
     out = check_output(out, prog.input_paths(), overwrite)  # before the work, not after
-    tgt = get_target(target)
+    tgt = get_target(target) if isinstance(target, str) else target
     module = materialize(prog)
     module.contiguous_state = False
     states = module.state_names
