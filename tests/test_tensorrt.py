@@ -140,7 +140,7 @@ def test_build_json_profiles_match_the_graphs(fp32_bundle):
     assert spec == rep.build and spec["compute_capability"] == "sm_120" and spec["precision"] == "fp32"
     golden = np.load(out / "golden.npz")
     for e in spec["engines"]:
-        graph = onnx.load(str(out / e["onnx"]), load_external_data=False)
+        graph = onnx.load(str(out / e["onnx"]), load_external_data=False).graph
         dims = {vi.name: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in graph.input}
         assert e["profiles"]
         for prof in e["profiles"]:
