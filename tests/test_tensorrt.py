@@ -29,8 +29,8 @@ from puzzlekit.tools.cli import main
 from puzzlekit.tools.default_model import load_default
 
 HAVE_RTX = importlib.util.find_spec("tensorrt_rtx_bindings") is not None
-needs_rtx = pytest.mark.skipif(not HAVE_RTX, reason="TensorRT-RTX is not installed: pip install --no-deps "
-                               "tensorrt_rtx_cu12_libs==1.7.1.116 tensorrt_rtx_cu12_bindings==1.7.1.116")
+needs_rtx = pytest.mark.skipif(not HAVE_RTX, reason="TensorRT-RTX is not installed, so no engine is built: "
+                               "pip install -e '.[tensorrt-rtx]' (tensorrt_rtx_cu12_libs + _bindings 1.7.1.116)")
 
 
 def small_program():
@@ -122,6 +122,46 @@ def test_profiles_cover_the_scenario_in_bands():
     assert p["decode"][0]["shapes"]["past.l.ssm"]["max"] == [64, 8, 4]
     short = plan_profiles(pre, dec, max_batch=4, input_len=300, max_context=400)
     assert [x["name"] for x in short["prefill"]] == ["short"]  # bands beyond the prompt are dropped
+
+
+# -- FP8 KV cache -------------------------------------------------------------------------------------------------
+def test_fp8_kv_cache_bundle_matches_torch_with_a_quantized_cache(tmp_path):
+    """A scenario with an FP8 KV cache: K/V cross the graph boundary as FLOAT8E4M3FN (Q before present, DQ after
+    past); onnxruntime's decode loop equals torch's with its cache quantized by the same scales; it builds."""
+    from puzzlekit.ir.quant.formats import fake_quantize
+    from puzzlekit.backends.onnx import OnnxModel
+
+    prog = small_program()
+    scenario = get_scenario("long-1m", input_len=64, output_len=64)
+    assert scenario.kv_dtype == "fp8"
+    rep = write_bundle(prog, tmp_path / "b", TARGETS["rtx-sm120"], scenario, build="auto")
+    out = tmp_path / "b"
+    assert rep.build["kv_cache_dtype"] == "float8e4m3fn"
+    model = onnx.load(str(out / DECODE), load_external_data=False)
+    kinds = {vi.name: vi.type.tensor_type.elem_type for vi in [*model.graph.input, *model.graph.output]}
+    assert kinds["past.backbone.layers.2.k"] == kinds["present.backbone.layers.2.v"] == TensorProto.FLOAT8E4M3FN
+    assert kinds["past.backbone.layers.0.ssm"] == TensorProto.FLOAT  # Mamba state stays as it was
+    scales = {i.name[len("kv_cache."):-len(".scale")]: torch.from_numpy(onnx.numpy_helper.to_array(i).copy())
+              for i in model.graph.initializer if i.name.startswith("kv_cache.") and i.name.endswith(".scale")}
+    assert set(scales) == {"backbone.layers.2.k", "backbone.layers.2.v"}
+    module, om = materialize(prog), OnnxModel(out)
+    qdq = lambda state: tuple(fake_quantize(t, "fp8", scales[n]) if n in scales else t
+                              for n, t in zip(module.state_names, state))
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, state = module.prefill(ids)
+    got, ostate = om.prefill(ids.numpy())
+    for step in range(4):
+        tok = torch.randint(0, 256, (2,), generator=torch.Generator().manual_seed(20 + step))
+        with torch.no_grad():
+            want, state = module.decode(tok, qdq(state))
+        got, ostate = om.decode(tok.numpy(), ostate)
+        np.testing.assert_allclose(got["logits"], want[0].numpy(), atol=1e-4 * np.abs(want[0].numpy()).max())
+    r = subprocess.run([sys.executable, "validate.py", "--runtime", "onnxruntime"], cwd=out, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    if HAVE_RTX:
+        assert set(rep.engines) == {"prefill", "decode"}
 
 
 # -- a bundle of the built-in model (fp32) ---------------------------------------------------------------------------

@@ -287,8 +287,14 @@ def _build_engine(args) -> int:
         check_fp4({r.format for r in get_recipe(recipe).rules}, target, f"recipe {recipe!r} uses")
         PassManager(f"quantize{{recipe={recipe},samples={args.calib_samples},target={target.name}}}").run(prog)
     check_fp4(formats(prog), target)
+    calib = None
+    if scenario.kv_dtype == "fp8":  # KV-cache scales from text windows, as the quantize pass calibrates
+        from ..passes.quant import calibration_windows
+
+        calib = calibration_windows([], args.calib_samples, 128, prog)
     rep = write_bundle(prog, args.output, target, scenario, build=args.build, overwrite=args.overwrite,
-                       provenance={"input": str(src), "recipe": recipe or "as quantized", "versions": _versions()})
+                       provenance={"input": str(src), "recipe": recipe or "as quantized", "versions": _versions()},
+                       calibration_ids=calib)
     plan = rep.build["memory_plan"]
     lines = [f"wrote {rep.directory}: {rep.precision} for {rep.target} ({rep.build['compute_capability']}), "
              f"scenario {scenario.name}",

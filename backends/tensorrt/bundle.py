@@ -168,22 +168,53 @@ def _golden(directory: Path, spec: dict, vocab: int, batch: int, outputs: list, 
             ref = ReferenceEvaluator(model, new_ops=[TRT_FP4DynamicQuantize])
             names = [o.name for o in model.graph.output]
             runs[name] = lambda feeds, ref=ref, names=names: dict(zip(names, ref.run(None, feeds)))
-        else:
+        else:  # OrtValues in and out: the state may be FP8, which numpy cannot hold
             import onnxruntime as ort
 
             sess = ort.InferenceSession(str(directory / name), providers=["CPUExecutionProvider"])
             names = [o.name for o in sess.get_outputs()]
-            runs[name] = lambda feeds, sess=sess, names=names: dict(zip(names, sess.run(None, feeds)))
+
+            def run(feeds, sess=sess, names=names):
+                feeds = {k: ort.OrtValue.ortvalue_from_numpy(v) if isinstance(v, np.ndarray) else v
+                         for k, v in feeds.items()}
+                return dict(zip(names, sess.run_with_ort_values(names, feeds)))
+            runs[name] = run
     g = {"prefill.input_ids": rng.integers(0, vocab, (batch, v["prompt_len"]), dtype=np.int64)}
     out = runs[PREFILL]({"input_ids": g["prefill.input_ids"]})
-    g.update({f"prefill.{n}": out[n] for n in outputs})
+    g.update({f"prefill.{n}": _array(out[n]) for n in outputs})
     for step in range(v["decode_steps"]):
         ids = rng.integers(0, vocab, (batch, 1), dtype=np.int64)
         feeds = {"input_ids": ids, **{"past." + n[8:]: a for n, a in out.items() if n.startswith("present.")}}
         out = runs[DECODE](feeds)
         g[f"decode.{step}.input_ids"] = ids
-        g.update({f"decode.{step}.{n}": out[n] for n in outputs})
+        g.update({f"decode.{step}.{n}": _array(out[n]) for n in outputs})
     return g
+
+
+def _array(v) -> np.ndarray:
+    return v if isinstance(v, np.ndarray) else v.numpy()
+
+
+def _fp8_kv_cache(prog: Program, directory: Path, ids=None) -> None:
+    """Calibrates per-state KV amax with a torch prefill and rewrites both graphs to carry the cache in FP8."""
+    import torch
+
+    from ..onnx.kv_cache import fp8_kv_cache, is_kv, kv_scales
+    from ..torch import materialize
+
+    module = materialize(prog)
+    vocab = prog.find("embed")[0].op.vocab
+    if ids is None:
+        ids = torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, state = module.prefill(ids)
+    scales = kv_scales({n: float(t.abs().amax()) for n, t in zip(module.state_names, state) if is_kv(n)})
+    for name in (PREFILL, DECODE):
+        path = directory / name
+        model = onnx.load(str(path), load_external_data=False)
+        fp8_kv_cache(model, scales)
+        onnx.save_model(model, str(path))
+        onnx.checker.check_model(str(path), full_check=True)
 
 
 def _trtexec(spec: dict) -> str:
@@ -273,9 +304,12 @@ def run_build(directory: Path, kind: str, timeout: float | None = None) -> dict:
 
 
 def write_bundle(prog: Program, out, target: Target, scenario: Scenario, build: str = "auto",
-                 overwrite: bool = False, provenance: dict | None = None, opset: int = 23) -> BundleReport:
+                 overwrite: bool = False, provenance: dict | None = None, opset: int = 23,
+                 calibration_ids=None) -> BundleReport:
     """Writes the bundle for `target` into `out`, atomically; builds its engines here when `build` is "yes", or
-    "auto" and a builder is present. The program is exported as it is: quantize it first for the target."""
+    "auto" and a builder is present. The program is exported as it is: quantize it first for the target. Where
+    the scenario plans an FP8 KV cache, its scales are calibrated on `calibration_ids` [batch, tokens] (default:
+    seeded random tokens)."""
     kind = builder_kind(target)
     check_fp4(formats(prog), target)
     if build not in ("auto", "yes", "no"):
@@ -297,6 +331,8 @@ def write_bundle(prog: Program, out, target: Target, scenario: Scenario, build: 
         for f in onnx_dir.iterdir():
             os.replace(f, tmp / f.name)
         onnx_dir.rmdir()
+        if scenario.kv_dtype == "fp8":
+            _fp8_kv_cache(prog, tmp, calibration_ids)
         profiles = plan_profiles(_inputs(tmp / PREFILL), _inputs(tmp / DECODE), engine_batch, scenario.input_len,
                                  scenario.context_len)
         spec = {
@@ -321,10 +357,6 @@ def write_bundle(prog: Program, out, target: Target, scenario: Scenario, build: 
                            "prompt_len": min(12, profiles["prefill"][0]["shapes"]["input_ids"]["max"][1]),
                            "decode_steps": 6},
         }
-        if scenario.kv_dtype not in ("bf16", "fp32", "fp16"):
-            spec["kv_cache_note"] = (f"scenario {scenario.name} plans a {scenario.kv_dtype} KV cache; these graphs "
-                                     f"carry it in {spec['kv_cache_dtype']} (the memory plan assumes "
-                                     f"{scenario.kv_dtype})")
         (tmp / "build.json").write_text(json.dumps(spec, indent=2) + "\n")
         batch = min(2, engine_batch, profiles["prefill"][0]["shapes"]["input_ids"]["max"][0])
         np.savez(tmp / "golden.npz", **_golden(tmp, spec, vocab, batch, outputs))

@@ -21,18 +21,30 @@ HERE = Path(__file__).resolve().parent
 
 
 class OnnxRuntimeRunner:
+    """Values stay OrtValues between steps: an FP8 KV cache is a type numpy cannot hold."""
+
     def __init__(self, cfg: dict):
         import onnxruntime as ort
 
+        self.ort = ort
         self.sessions = {e["name"]: ort.InferenceSession(str(HERE / e["onnx"]), providers=["CPUExecutionProvider"])
                          for e in cfg["engines"]}
 
     def run(self, graph: str, feeds: dict) -> dict:
         s = self.sessions[graph]
-        return dict(zip([o.name for o in s.get_outputs()], s.run(None, feeds)))
+        names = [o.name for o in s.get_outputs()]
+        feeds = {k: self.ort.OrtValue.ortvalue_from_numpy(v) if isinstance(v, np.ndarray) else v
+                 for k, v in feeds.items()}
+        return dict(zip(names, s.run_with_ort_values(names, feeds)))
+
+    @staticmethod
+    def numpy(v) -> np.ndarray:
+        return v.numpy()
 
 
 class TensorRTRunner:
+    """Inputs and outputs are torch CUDA tensors; the state stays on the GPU between steps."""
+
     def __init__(self, cfg: dict, builder: str):
         import torch
 
@@ -41,6 +53,9 @@ class TensorRTRunner:
         else:
             import tensorrt as trt
         self.trt, self.torch, self.cfg = trt, torch, cfg
+        self.dtypes = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
+                       trt.int64: torch.int64, trt.int32: torch.int32, trt.bool: torch.bool,
+                       trt.fp8: torch.float8_e4m3fn}
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engines, self.contexts = {}, {}
         for e in cfg["engines"]:
@@ -65,26 +80,30 @@ class TensorRTRunner:
         ctx.set_optimization_profile_async(self._profile(graph, feeds), stream.cuda_stream)
         keep, outs = [], {}
         for name, a in feeds.items():
-            t = torch.from_numpy(np.ascontiguousarray(a)).cuda()
+            t = torch.from_numpy(np.ascontiguousarray(a)).cuda() if isinstance(a, np.ndarray) else a.contiguous()
             keep.append(t)
             ctx.set_input_shape(name, tuple(a.shape))
             ctx.set_tensor_address(name, t.data_ptr())
         for i in range(engine.num_io_tensors):
             name = engine.get_tensor_name(i)
             if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT:
-                dtype = torch.from_numpy(np.empty(0, trt.nptype(engine.get_tensor_dtype(name)))).dtype
+                dtype = self.dtypes[engine.get_tensor_dtype(name)]
                 outs[name] = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=dtype, device="cuda")
                 ctx.set_tensor_address(name, outs[name].data_ptr())
         if not ctx.execute_async_v3(stream.cuda_stream):
             sys.exit(f"validate.py: TensorRT failed to run {graph}")
         stream.synchronize()
-        return {n: t.cpu().numpy() for n, t in outs.items()}
+        return outs
+
+    @staticmethod
+    def numpy(t) -> np.ndarray:
+        return t.float().cpu().numpy()
 
 
 def compare(where: str, got: dict, golden, prefix: str, names: list, tol: float) -> list[str]:
     problems = []
     for name in names:
-        want, have = golden[f"{prefix}{name}"].astype(np.float64), got[name].astype(np.float64)
+        want, have = golden[f"{prefix}{name}"].astype(np.float64), got[name].astype(np.float64)  # numpy arrays
         if have.shape != want.shape:
             problems.append(f"{where} {name}: shape {have.shape}, golden {want.shape}")
             continue
@@ -107,14 +126,16 @@ def main(argv=None) -> int:
     runner = OnnxRuntimeRunner(cfg) if args.runtime == "onnxruntime" else TensorRTRunner(cfg, args.builder)
     names, tol = cfg["outputs"], v["tolerance"]
     out = runner.run("prefill", {"input_ids": golden["prefill.input_ids"]})
-    problems = compare("prefill", out, golden, "prefill.", names, tol)
-    agree = [np.mean(out["logits"].argmax(-1) == golden["prefill.logits"].argmax(-1))]
+    got = {n: runner.numpy(out[n]) for n in names}
+    problems = compare("prefill", got, golden, "prefill.", names, tol)
+    agree = [np.mean(got["logits"].argmax(-1) == golden["prefill.logits"].argmax(-1))]
     for step in range(v["decode_steps"]):
         feeds = {"input_ids": golden[f"decode.{step}.input_ids"]}
         feeds.update({"past." + n[len("present."):]: a for n, a in out.items() if n.startswith("present.")})
         out = runner.run("decode", feeds)
-        problems += compare(f"decode {step}", out, golden, f"decode.{step}.", names, tol)
-        agree.append(np.mean(out["logits"].argmax(-1) == golden[f"decode.{step}.logits"].argmax(-1)))
+        got = {n: runner.numpy(out[n]) for n in names}
+        problems += compare(f"decode {step}", got, golden, f"decode.{step}.", names, tol)
+        agree.append(np.mean(got["logits"].argmax(-1) == golden[f"decode.{step}.logits"].argmax(-1)))
     share = float(np.mean(agree))
     print(f"argmax agreement {share:.3f} (at least {v['argmax_agreement']})")
     if share < v["argmax_agreement"]:
