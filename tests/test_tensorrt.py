@@ -267,3 +267,25 @@ def test_quantized_engines_build(recipe, target, tmp_path):
     if recipe == "nvfp4":
         names = {n.op_type for n in onnx.load(str(tmp_path / "b" / PREFILL), load_external_data=False).graph.node}
         assert "TRT_FP4DynamicQuantize" in names
+
+
+@pytest.mark.slow  # two exports of the built-in model (W4A4 and W8A8)
+def test_cli_bundles_for_b200_and_h100_differ_where_the_hardware_does(tmp_path, capsys):
+    for t in ("b200", "h100"):
+        assert main(["build-engine", "--target", t, "--scenario", "long-1m", "-o", str(tmp_path / t),
+                     "--calib-samples", "2", "--build", "no", "--json"]) == 0
+        rep = json.loads(capsys.readouterr().out)
+        assert rep["engines"] == {} and "manifest.json" in rep["files"]
+    b, h = [json.loads((tmp_path / t / "build.json").read_text()) for t in ("b200", "h100")]
+    assert (b["precision"], h["precision"]) == ("nvfp4", "fp8")
+    assert (b["compute_capability"], h["compute_capability"]) == ("sm_100", "sm_90")
+    assert (b["min_version"]["tensorrt"], h["min_version"]["tensorrt"]) == ("10.8", "10.0")
+    assert b["memory_plan"]["max_concurrency"] > h["memory_plan"]["max_concurrency"]  # 180 GB against 80 GB
+    assert b["kv_cache_dtype"] == h["kv_cache_dtype"] == "float8e4m3fn"  # long-1m plans an FP8 cache
+    assert [p["name"] for p in b["engines"][0]["profiles"]] == ["short", "medium", "long"]
+    assert b["engines"][0]["profiles"][-1]["shapes"]["input_ids"]["max"][1] == 1048576
+    for t in ("b200", "h100"):
+        r = subprocess.run([sys.executable, "validate.py", "--runtime", "onnxruntime"], cwd=tmp_path / t,
+                           capture_output=True, text=True)
+        assert r.returncode == (0 if t == "h100" else 2), r.stderr  # onnxruntime cannot run the FP4 graphs
+        assert t == "h100" or "cannot run nvfp4" in r.stderr

@@ -122,6 +122,10 @@ def main(argv=None) -> int:
     ap.add_argument("--builder", choices=["tensorrt", "tensorrt-rtx"], default=cfg["builder"]["backend"])
     args = ap.parse_args(argv)
     v = cfg["validation"]
+    if args.runtime == "onnxruntime" and cfg["precision"].startswith("nvfp4"):
+        print(f"validate.py: onnxruntime cannot run {cfg['precision']} (FP4) graphs; validate the engines on the GPU",
+              file=sys.stderr)
+        return 2
     golden = np.load(HERE / v["golden"])
     runner = OnnxRuntimeRunner(cfg) if args.runtime == "onnxruntime" else TensorRTRunner(cfg, args.builder)
     names, tol = cfg["outputs"], v["tolerance"]
