@@ -27,8 +27,10 @@ class OnnxRuntimeRunner:
         import onnxruntime as ort
 
         self.ort = ort
-        self.sessions = {e["name"]: ort.InferenceSession(str(HERE / e["onnx"]), providers=["CPUExecutionProvider"])
-                         for e in cfg["engines"]}
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3  # errors only
+        self.sessions = {e["name"]: ort.InferenceSession(str(HERE / e["onnx"]), opts,
+                                                         providers=["CPUExecutionProvider"]) for e in cfg["engines"]}
 
     def run(self, graph: str, feeds: dict) -> dict:
         s = self.sessions[graph]
