@@ -28,7 +28,7 @@ import onnx
 
 from ...errors import PuzzlekitError
 from ...ir import Program
-from ...outputs import staged_dir
+from ...outputs import check_output, staged_dir
 from ..cost import Scenario, cost
 from ..onnx import DECODE, PREFILL, export_onnx
 from ..targets import Target
@@ -312,6 +312,7 @@ def write_bundle(prog: Program, out, target: Target, scenario: Scenario, build: 
     "auto" and a builder is present. The program is exported as it is: quantize it first for the target. Where
     the scenario plans an FP8 KV cache, its scales are calibrated on `calibration_ids` [batch, tokens] (default:
     seeded random tokens)."""
+    check_output(out, prog.input_paths(), overwrite)  # before the work, not after
     kind = builder_kind(target)
     check_fp4(formats(prog), target)
     if build not in ("auto", "yes", "no"):
