@@ -48,6 +48,7 @@ def test_reference_fp4_quantizer_follows_the_format():
     x = torch.randn(3, 5, 64, generator=g) * 3
     x[0, 0, :16] = 0  # an all-zero block: scale 1
     x[1, 1, :16] = torch.tensor([6.0, 5.0, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25] * 2)  # ties at every midpoint
+    x[2, 2, :16] = 1e-9  # a block so small that its scale would round to zero in E4M3: clamped to 2^-9
     s2 = torch.tensor(2.0**-8)  # a block of amax 6 gets scale 256: its values are quantized unscaled
     node = helper.make_node("TRT_FP4DynamicQuantize", ["x", "s"], ["q", "sb"], domain="trt", axis=-1, block_size=16,
                             scale_type=TensorProto.FLOAT8E4M3FN)
@@ -59,6 +60,7 @@ def test_reference_fp4_quantizer_follows_the_format():
     q, sb = ReferenceEvaluator(model, new_ops=[TRT_FP4DynamicQuantize]).run(None, {"x": x.numpy(), "s": s2.numpy()})
     assert q.dtype == ml_dtypes.float4_e2m1fn and sb.dtype == ml_dtypes.float8_e4m3fn and sb.shape == (3, 5, 4)
     deq = q.astype(np.float32) * np.repeat(sb.astype(np.float32) * s2.numpy(), 16, axis=-1)
+    assert np.isfinite(deq).all()
     np.testing.assert_array_equal(deq, _nvfp4_qdq(x, s2).numpy())
     assert np.all(np.abs(q[1, 1, :8].astype(np.float32)) == [6, 4, 4, 2, 2, 1, 1, 0])
 

@@ -7,7 +7,8 @@ NVFP4 activations (W4A4) are exported as NVIDIA Model Optimizer exports them, th
 
 The op has no ONNX schema of its own: `register_schema` declares one so that the exporter, onnx's checker and
 shape inference accept it, and `TRT_FP4DynamicQuantize` runs it under onnx.reference, in numpy, from the format's
-definition (per block of 16: sb = e4m3(amax / 6 / s2), 1 for an all-zero block; q = nearest E2M1 of x / (sb s2)).
+definition (per block of 16: sb = e4m3(clamp(amax / 6 / s2, 2^-9, 448)), 1 for an all-zero block;
+q = nearest E2M1 of x / (sb s2)).
 """
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ class TRT_FP4DynamicQuantize(OpRun):  # onnx.reference finds a custom op by its 
         s2 = np.float32(global_scale)
         blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, BLOCK)
         sb = np.abs(blocks).max(-1) / np.float32(6.0) / s2
-        sb = np.where(sb == 0, np.float32(1.0), np.minimum(sb, 448.0)).astype(ml_dtypes.float8_e4m3fn)
+        # clamped to E4M3's range [2^-9, 448] before the cast, so that a tiny block cannot get a zero scale
+        sb = np.where(sb == 0, np.float32(1.0), np.clip(sb, 2.0**-9, 448.0)).astype(ml_dtypes.float8_e4m3fn)
         q = _round_e2m1(blocks / (sb.astype(np.float32)[..., None] * s2)).reshape(x.shape)
         return q.astype(ml_dtypes.float4_e2m1fn), sb
 

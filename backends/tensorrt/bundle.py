@@ -190,6 +190,10 @@ def _golden(directory: Path, spec: dict, vocab: int, batch: int, outputs: list, 
         out = runs[DECODE](feeds)
         g[f"decode.{step}.input_ids"] = ids
         g.update({f"decode.{step}.{n}": _array(out[n]) for n in outputs})
+    bad = [k for k, a in g.items() if a.dtype.kind == "f" and not np.isfinite(a).all()]
+    if bad:
+        raise BundleError(f"the golden outputs {bad[:3]} are not finite: the model or its quantization produces "
+                          "NaN or infinity; check it with `puzzlekit eval` before building engines")
     return g
 
 
