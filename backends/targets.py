@@ -46,16 +46,24 @@ class Target:
 
 MIB = 2**20
 #: memory is what the driver reports (nvidia-smi: 81559 / 143771 / 183359 MiB): the "80 / 141 / 180 GB" of the
-#: datasheets are binary gigabytes, less what the driver keeps
+#: datasheets are binary gigabytes, less what the driver keeps. `trt`: the engine builder ("tensorrt", or
+#: "tensorrt-rtx", which builds ahead of time without the GPU) and the recipe an engine bundle uses by default
 H100 = Target("h100", "gpu", 81559 * MIB, 3.35 * TB, {"bf16": 989e12, "fp8": 1979e12}, "sm_90", 1, 900 * GB, 132, 50e6,
-              {"arch": "sm_90", "fp4": False})
+              {"arch": "sm_90", "fp4": False, "builder": "tensorrt", "recipe": "fp8"})
 H200 = dataclasses.replace(H100, name="h200", memory_bytes=143771 * MIB, bandwidth=4.8 * TB)
 B200 = Target("b200", "gpu", 183359 * MIB, 7.7 * TB, {"bf16": 2250e12, "fp8": 4500e12, "nvfp4": 9000e12}, "sm_100", 1,
-              1800 * GB, 148, 126e6, {"arch": "sm_100", "fp4": True})
+              1800 * GB, 148, 126e6, {"arch": "sm_100", "fp4": True, "builder": "tensorrt", "recipe": "nvfp4"})
+# Workstation GPUs that TensorRT-RTX builds engines for without the GPU present (approx. dense figures of an
+# RTX 5090 and an RTX 4090). They prove here that every graph builds; their engines run on those GPUs.
+RTX_SM120 = Target("rtx-sm120", "gpu", 32 * GB, 1.79 * TB, {"bf16": 209e12, "fp8": 419e12, "nvfp4": 838e12}, "sm_120",
+                   sms=170, l2_bytes=96e6, trt={"arch": "sm_120", "fp4": True, "builder": "tensorrt-rtx",
+                                                "recipe": "nvfp4"})
+RTX_SM89 = Target("rtx-sm89", "gpu", 24 * GB, 1.01 * TB, {"bf16": 165e12, "fp8": 330e12}, "sm_89", sms=128,
+                  l2_bytes=72e6, trt={"arch": "sm_89", "fp4": False, "builder": "tensorrt-rtx", "recipe": "fp8"})
 #: the local CPU; its numbers are rough and only used by the analytic provider, the measured provider times it
 CPU = Target("cpu", "cpu", 24 * GB, 20 * GB, {"fp32": 100e9, "bf16": 50e9})
 
-TARGETS: dict[str, Target] = {t.name: t for t in (H100, H200, B200, CPU)}
+TARGETS: dict[str, Target] = {t.name: t for t in (H100, H200, B200, RTX_SM120, RTX_SM89, CPU)}
 TARGETS.update({f"8x{t.name}": t.node(8) for t in (H100, H200, B200)})
 
 #: precisions a target file may give peaks for (the math precisions the cost model prices)

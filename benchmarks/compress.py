@@ -22,7 +22,7 @@ from puzzlekit import evaluate
 from puzzlekit.backends.torch import materialize
 from puzzlekit.data import load_corpus, sequential_windows
 from puzzlekit.ir.printer import format_table
-from puzzlekit.passes import AnalysisManager, PassManager
+from puzzlekit.passes import AnalysisManager, PassError, PassManager
 from puzzlekit.passes.puzzle import Library, build_library
 from puzzlekit.tools.default_model import load_default
 from timing import median_seconds
@@ -92,7 +92,11 @@ def main() -> None:
         if "iterative" not in strategy:  # the pruned child before any recovery
             pruned = prog.copy()
             first = pipeline.split(",distill")[0]
-            timed("search", lambda: PassManager(first).run(pruned, AnalysisManager(pruned)))
+            try:
+                timed("search", lambda: PassManager(first).run(pruned, AnalysisManager(pruned)))
+            except PassError as e:  # e.g. no uniform cut of the grid reaches the target
+                rows.append((f"{strategy}: no child", str(e).splitlines()[0][-60:], "", "", "", ""))
+                continue
             stage(f"{strategy}: pruned (BLD variants)", pruned)
         timed(strategy, lambda: PassManager(pipeline).run(prog, am))
         stage(f"{strategy}: distilled", prog)

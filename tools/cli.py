@@ -276,6 +276,48 @@ def _export_onnx(args) -> int:
     return 0
 
 
+def _build_engine(args) -> int:
+    from .. import ir
+    from ..backends.cost import get_scenario
+    from ..backends.targets import get_target
+    from ..backends.tensorrt import check_fp4, formats, write_bundle
+    from ..ir.quant.recipe import get_recipe
+    from ..passes import PassManager
+    from .default_model import model_path
+
+    src = model_path(args.model).resolve()
+    check_output(args.output, [src], args.overwrite)  # before the work, not after
+    target, scenario = get_target(args.target), get_scenario(args.scenario)
+    prog = ir.verify(_model(args))
+    if formats(prog) and args.recipe:
+        raise UsageError(f"{src} is already quantized ({', '.join(sorted(formats(prog)))}); drop --recipe, or "
+                         "start from the unquantized model")
+    recipe = args.recipe or ("" if formats(prog) else target.trt.get("recipe", "bf16"))
+    if recipe and recipe != "bf16":
+        check_fp4({r.format for r in get_recipe(recipe).rules}, target, f"recipe {recipe!r} uses")
+        PassManager(f"quantize{{recipe={recipe},samples={args.calib_samples},target={target.name}}}").run(prog)
+    check_fp4(formats(prog), target)
+    calib = None
+    if scenario.kv_dtype == "fp8":  # KV-cache scales from text windows, as the quantize pass calibrates
+        from ..passes.quant import calibration_windows
+
+        calib = calibration_windows([], args.calib_samples, 128, prog)
+    rep = write_bundle(prog, args.output, target, scenario, build=args.build, overwrite=args.overwrite,
+                       provenance={"input": str(src), "recipe": recipe or "as quantized", "versions": _versions()},
+                       calibration_ids=calib)
+    plan = rep.build["memory_plan"]
+    lines = [f"wrote {rep.directory}: {rep.precision} for {rep.target} ({rep.build['compute_capability']}), "
+             f"scenario {scenario.name}",
+             f"memory plan: decode batch 1..{plan['engine_max_batch']} (cost model: {plan['max_batch']}), "
+             f"{plan['max_concurrency']} requests fit at context {rep.build['max_context']}"]
+    lines += [f"  {name}.engine: {e['bytes'] / 1e6:.1f} MB, built in {e['build_seconds']:.1f} s"
+              for name, e in rep.engines.items()]
+    if not rep.engines:
+        lines.append("engines not built here: run `python build_engines.py` in the bundle on the target GPU")
+    _emit(args, rep.to_json(), "\n".join(lines) + "\n")
+    return 0
+
+
 def _greedy(prefill, decode, n: int, logits_of, model=None):
     """`n` greedy tokens [batch, n] from `prefill()` and `decode(tokens, state)`, which return (outputs, state).
     Non-finite logits stop it naming the likely cause, rather than decoding NaN as byte 0."""
@@ -397,6 +439,20 @@ def parser() -> argparse.ArgumentParser:
     x.add_argument("--verbose", action="store_true", help="list every lint note, not just errors")
     x.set_defaults(run=_export_onnx)
 
+    be = sub.add_parser("build-engine", help="a TensorRT engine bundle for a GPU target and scenario (engines "
+                                             "built here for RTX targets with TensorRT-RTX)")
+    be.add_argument("model", nargs="?", help=model_help)
+    be.add_argument("--target", required=True, help="b200, h100, h200, rtx-sm120, rtx-sm89, or a .toml/.json file")
+    be.add_argument("--scenario", default="chat", help="long-1m, decode-heavy, prefill-heavy, chat")
+    be.add_argument("--output", "-o", required=True, help="bundle directory")
+    be.add_argument("--recipe", help="quantize the model first with this recipe (default: the target's: nvfp4 "
+                                     "on FP4 GPUs, fp8 otherwise; bf16 keeps it as is)")
+    be.add_argument("--calib-samples", type=positive_int, default=16, help="calibration windows for --recipe")
+    be.add_argument("--build", choices=["auto", "yes", "no"], default="auto",
+                    help="build the engines here (auto: where TensorRT-RTX, or TensorRT and the GPU, are present)")
+    be.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    be.set_defaults(run=_build_engine)
+
     g = sub.add_parser("generate", help="greedy generation from a text prompt (byte-level models)")
     g.add_argument("model", nargs="?", help=model_help)
     g.add_argument("--prompt", required=True)
@@ -411,7 +467,7 @@ def parser() -> argparse.ArgumentParser:
     for cmd in (s, r):
         cmd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                          help="import MODULE first (it may register passes); repeatable")
-    for cmd in (i, s, r, t, e, c, x, g, lb, pl, cp, rp):
+    for cmd in (i, s, r, t, e, c, x, be, g, lb, pl, cp, rp):
         cmd.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return p
 

@@ -9,7 +9,9 @@ program text, state names and provenance are in the model metadata.
 from __future__ import annotations
 
 import json
+import logging
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,16 +80,37 @@ def _name_dims(model: onnx.ModelProto, names: dict[tuple[str, int], str]) -> Non
                 d.dim_param = rename[d.dim_param]
 
 
+@contextmanager
+def _quiet():
+    """Silences the exporter's warnings, among them one line per torchvision op when torchvision (an optional
+    package this export never needs) is absent."""
+    log = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
+
+
 def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, opset: int) -> onnx.ModelProto:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    from ...ir.quant.formats import nvfp4_activations_as_one_op
+    from .trt_ops import onnxscript_lowering, type_outputs
+
+    with _quiet(), nvfp4_activations_as_one_op():
         try:
             program = torch.onnx.export(module, args, input_names=input_names, output_names=output_names,
                                         dynamic_shapes=dynamic, dynamo=True, opset_version=opset, verbose=False,
-                                        optimize=False)  # keeps parameter names (quantized lowering finds them)
+                                        optimize=False,  # keeps parameter names (quantized lowering finds them)
+                                        custom_translation_table={torch.ops.puzzlekit.nvfp4_qdq.default:
+                                                                  onnxscript_lowering()})
         except Exception as e:  # the exporter raises many types; say which graph failed
             raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
-    return program.model_proto
+    model = program.model_proto
+    type_outputs(model)
+    return model
 
 
 def _optimize(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -115,7 +138,7 @@ def _save(model: onnx.ModelProto, path: Path, threshold: int = 1024) -> None:
     onnx.save_model(model, str(path))
 
 
-def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwrite: bool = False,
+def export_onnx(prog: Program, out, target="cpu", opset: int = 23, overwrite: bool = False,
                 provenance: dict | None = None) -> ExportReport:
     """Writes prefill.onnx and decode.onnx (+ external data) into `out`, atomically.
 
@@ -127,7 +150,7 @@ def export_onnx(prog: Program, out, target: str = "cpu", opset: int = 23, overwr
     from .quant import activation_qdq, lower_quantized
 
     out = check_output(out, prog.input_paths(), overwrite)  # before the work, not after
-    tgt = get_target(target)
+    tgt = get_target(target) if isinstance(target, str) else target
     module = materialize(prog)
     module.contiguous_state = False
     states = module.state_names

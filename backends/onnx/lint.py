@@ -13,6 +13,9 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
+from .trt_ops import DOMAIN as TRT_DOMAIN
+from .trt_ops import OP as TRT_FP4_QUANTIZE
+
 SUPPORT_FILE = Path(__file__).with_name("trt_support.json")
 
 
@@ -65,10 +68,13 @@ def lint(model: onnx.ModelProto, target) -> list[Finding]:
     inits = {i.name: i for i in model.graph.initializer}
     for node in model.graph.node:
         name = node.name or f"{node.op_type}@{node.output[0]}"
-        if node.domain not in ("", "ai.onnx"):
+        if (node.domain, node.op_type) == (TRT_DOMAIN, TRT_FP4_QUANTIZE):
+            entry = {"supported": True}  # TensorRT's own dynamic quantizer; its FP4 output is checked below
+        elif node.domain not in ("", "ai.onnx"):
             out.append(Finding("error", name, node.op_type, f"custom domain {node.domain!r} needs a TensorRT plugin"))
             continue
-        entry = sup["operators"].get(node.op_type)
+        else:
+            entry = sup["operators"].get(node.op_type)
         if entry is None or not entry["supported"]:
             out.append(Finding("error", name, node.op_type, "not supported by TensorRT's ONNX parser"))
         elif entry.get("restrictions"):

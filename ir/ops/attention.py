@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, positive
@@ -114,7 +113,12 @@ class AttentionMixer(nn.Module):
         past = k.shape[2] - t
         # query i sits at absolute position past + i and sees keys 0 .. past + i
         visible = torch.arange(k.shape[2], device=x.device)[None, :] <= torch.arange(t, device=x.device)[:, None] + past
+        # written out (MatMul -> masked Softmax -> MatMul over [b, kv, rep, t, d] groups) rather than with
+        # scaled_dot_product_attention, whose ONNX Attention op TensorRT builds only in 16-bit precisions
+        # with fused kernels; this form every TensorRT version builds, and fuses where a fused kernel fits
         rep = s.q_heads // s.kv_heads
-        kr, vr = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, kr, vr, attn_mask=visible)
+        qg = q.reshape(b, s.kv_heads, rep, t, s.head_dim)
+        scores = qg @ k.unsqueeze(2).transpose(-1, -2) * s.head_dim ** -0.5  # [b, kv, rep, t, L]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        y = (probs @ v.unsqueeze(2)).reshape(b, s.q_heads, t, s.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, s.q_heads * s.head_dim)), (k, v)

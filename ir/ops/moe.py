@@ -197,17 +197,19 @@ class MoEMixer(nn.Module):
         flat = x.reshape(-1, s.hidden)
         chosen, w = self.route(flat)
         h = self._act("up", self.fc1_latent_proj(flat) if s.latent else flat)
-        up = torch.stack([e.up_proj.weight for e in self.experts])  # [E, d_ff, width]
-        down = torch.stack([e.down_proj.weight for e in self.experts])  # [E, width, d_ff]
         if decode:
+            up = torch.stack([e.up_proj.weight for e in self.experts])  # [E, d_ff, width]
+            down = torch.stack([e.down_proj.weight for e in self.experts])  # [E, width, d_ff]
             a = self._act("down", relu2(torch.einsum("nw,nkfw->nkf", h, up[chosen])))
             y = torch.einsum("nkf,nkwf,nk->nw", a, down[chosen], w.to(h.dtype))
         else:
+            # one plain linear per expert rather than an einsum over stacked weights: the same work, and in
+            # ONNX each quantized weight keeps the DequantizeLinear -> MatMul pattern TensorRT builds
             mix = torch.zeros(flat.shape[0], s.experts, dtype=h.dtype, device=h.device).scatter(1, chosen, w.to(h.dtype))
-            a = self._act("down", relu2(torch.einsum("nw,efw->nef", h, up)))
+            a = [self._act("down", relu2(e.up_proj(h))) for e in self.experts]  # E x [n, d_ff]
             if "calib" in self.__dict__:  # activation calibration: per expert, over the tokens routed to it
-                self._record(h, a, mix != 0)
-            y = torch.einsum("nef,ewf,ne->nw", a, down, mix)
+                self._record(h, torch.stack(a, 1), mix != 0)
+            y = sum(e.down_proj(a_e) * mix[:, i:i + 1] for i, (e, a_e) in enumerate(zip(self.experts, a)))
         if s.latent:
             y = self.fc2_latent_proj(y)
         y = y.reshape(x.shape)

@@ -8,6 +8,7 @@ byte, the first in the low nibble. The arithmetic follows NVIDIA Model Optimizer
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +173,36 @@ def fake_quantize(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tenso
         return (x / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * s
     if fmt != "nvfp4":
         raise QuantError(f"unknown format {fmt!r}")
+    return nvfp4_qdq(x, scale) if _AS_ONE_OP else _nvfp4_qdq(x, scale)
+
+
+_AS_ONE_OP = False
+
+
+@contextmanager
+def nvfp4_activations_as_one_op():
+    """While active, NVFP4 activation fake-quantization is the single op `puzzlekit::nvfp4_qdq`, which the
+    ONNX exporter lowers to TensorRT's dynamic-quantize pattern instead of tracing its arithmetic."""
+    global _AS_ONE_OP
+    before, _AS_ONE_OP = _AS_ONE_OP, True
+    try:
+        yield
+    finally:
+        _AS_ONE_OP = before
+
+
+@torch.library.custom_op("puzzlekit::nvfp4_qdq", mutates_args=())
+def nvfp4_qdq(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 quantise-dequantise of activations with dynamic block scales (one op for export)."""
+    return _nvfp4_qdq(x, global_scale)
+
+
+@nvfp4_qdq.register_fake
+def _(x, global_scale):
+    return torch.empty_like(x)
+
+
+def _nvfp4_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     s2 = scale.float()
     blocks = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
     sb = blocks.abs().amax(-1, keepdim=True).float() / (E2M1_MAX * s2)
