@@ -59,13 +59,15 @@ def test_the_child_meets_its_constraint_keeps_its_mtp_head_and_loads(run):
     assert [c["acceptance"] > 1 for c in summary["reports"]["mtp-check"]] == [True, True]
 
 
-def test_the_bundle_holds_onnx_graphs_that_onnxruntime_runs(run):
+def test_the_bundle_holds_the_targets_build_files_and_graphs_onnxruntime_runs(run):
     import onnxruntime as ort
 
     out, _ = run
     for graph in ("prefill.onnx", "decode.onnx"):
-        sess = ort.InferenceSession(str(out / "bundle" / graph))
+        sess = ort.InferenceSession(str(out / "bundle" / "onnx" / graph))
         assert sess.get_outputs()
+    files = {p.name for p in (out / "bundle").iterdir()}
+    assert {"build.json", "build_engines.py", "trtexec.sh", "validate.py", "manifest.json"} <= files
 
 
 def test_the_report_is_complete_and_holds_the_runs_numbers(run):

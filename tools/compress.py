@@ -36,7 +36,7 @@ def deploy_recipe(target: str) -> str:
     from ..backends.targets import get_target
 
     t = get_target(target)
-    return "nvfp4" if t.supports("nvfp4") else "fp8" if t.supports("fp8") else ""
+    return (t.trt or {}).get("recipe") or ("nvfp4" if t.supports("nvfp4") else "fp8" if t.supports("fp8") else "")
 
 
 def pipeline_text(template: str, args, out: Path, library: Path) -> str:
@@ -232,10 +232,20 @@ def measured_throughput(prog, batch: int, context: int = 256) -> float:
 
 
 def bundle(prog, args, out: Path) -> dict:
-    """The target's deployment artifacts: ONNX prefill and decode graphs in the deployed precision."""
+    """The target's deployment artifacts: a TensorRT engine bundle for a GPU (engines built here where a
+    builder is), ONNX graphs for onnxruntime on cpu."""
+    from ..backends.cost import get_scenario
     from ..backends.onnx import export_onnx
+    from ..backends.targets import get_target
 
-    return export_onnx(prog, out, target=args.target, overwrite=True).to_json()
+    target = get_target(args.target)
+    if target.kind != "gpu":
+        return export_onnx(prog, out, target=args.target, overwrite=True).to_json()
+    from ..backends.tensorrt.bundle import write_bundle
+
+    rep = write_bundle(prog, out, target, get_scenario(args.scenario, recipe=deploy_recipe(args.target) or None),
+                       overwrite=True)
+    return {k: v for k, v in rep.to_json().items() if k != "build"}
 
 
 def run_compress(args) -> int:
