@@ -64,7 +64,7 @@ def test_the_bundle_holds_the_targets_build_files_and_graphs_onnxruntime_runs(ru
 
     out, _ = run
     for graph in ("prefill.onnx", "decode.onnx"):
-        sess = ort.InferenceSession(str(out / "bundle" / "onnx" / graph))
+        sess = ort.InferenceSession(str(out / "bundle" / graph))
         assert sess.get_outputs()
     files = {p.name for p in (out / "bundle").iterdir()}
     assert {"build.json", "build_engines.py", "trtexec.sh", "validate.py", "manifest.json"} <= files
