@@ -1,4 +1,7 @@
-"""`puzzlekit compress --quick` end to end on the built-in model, its report, and resuming after a kill."""
+"""`puzzlekit compress --quick` end to end on the built-in model, its report, and resuming after a kill.
+
+The end-to-end run (library, search, distillation, quantisation, bundle, report: about two minutes on 2 cores)
+carries the `slow` mark with the tests that use it: `python -m pytest -q -m slow tests/test_compress.py`."""
 from __future__ import annotations
 
 import json
@@ -48,6 +51,7 @@ def test_the_compress_template_fills_in_to_a_pipeline_that_round_trips(extra, tm
         pipeline_text("x", parser().parse_args(["compress", "-o", str(tmp_path)]), tmp_path, tmp_path)
 
 
+@pytest.mark.slow
 def test_the_child_meets_its_constraint_keeps_its_mtp_head_and_loads(run):
     out, summary = run
     plan = json.loads((out / "plan.json").read_text())["plan"]
@@ -59,6 +63,7 @@ def test_the_child_meets_its_constraint_keeps_its_mtp_head_and_loads(run):
     assert [c["acceptance"] > 1 for c in summary["reports"]["mtp-check"]] == [True, True]
 
 
+@pytest.mark.slow
 def test_the_bundle_holds_the_targets_build_files_and_graphs_onnxruntime_runs(run):
     import onnxruntime as ort
 
@@ -70,6 +75,7 @@ def test_the_bundle_holds_the_targets_build_files_and_graphs_onnxruntime_runs(ru
     assert {"build.json", "build_engines.py", "trtexec.sh", "validate.py", "manifest.json"} <= files
 
 
+@pytest.mark.slow
 def test_the_report_is_complete_and_holds_the_runs_numbers(run):
     import matplotlib.image
 
@@ -91,6 +97,7 @@ def test_the_report_is_complete_and_holds_the_runs_numbers(run):
     assert len(layers) == len(child.blocks())
 
 
+@pytest.mark.slow
 def test_report_command_rewrites_the_report_and_refuses_a_directory_without_a_run(run, tmp_path):
     from puzzlekit.tools.cli import main
 

@@ -2,7 +2,6 @@
 built-in model with small budgets."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -141,6 +140,7 @@ PIPE = "snapshot{name=teacher},set-topk{k=1},distill{steps=12,batch=4,seq=32,eva
        "checkpoint_every=2,state=%s}"
 
 
+@pytest.mark.slow  # two runs of the CLI; test_train's kill test covers the same loop in the default suite
 def test_a_killed_distill_resumes_to_the_uninterrupted_result(tmp_path):
     whole = _run_cli(["run", "-p", PIPE % (tmp_path / "s1"), "-o", str(tmp_path / "whole"), "--json"])
     assert whole.returncode == 0, whole.stderr[-2000:]

@@ -127,6 +127,7 @@ def test_profiles_cover_the_scenario_in_bands():
 
 
 # -- FP8 KV cache -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_fp8_kv_cache_bundle_matches_torch_with_a_quantized_cache(tmp_path):
     """A scenario with an FP8 KV cache: K/V cross the graph boundary as FLOAT8E4M3FN (Q before present, DQ after
     past); onnxruntime's decode loop equals torch's with its cache quantized by the same scales; it builds."""
