@@ -13,7 +13,7 @@ from puzzlekit.passes.puzzle.mip import Binding, Infeasible, Problem, minimum, s
 
 RTOL = 1e-9
 PROPERTY = settings(max_examples=150, deadline=None, derandomize=True)
-FEWER = settings(max_examples=60, deadline=None, derandomize=True)
+FEWER = settings(max_examples=30, deadline=None, derandomize=True)
 
 
 def total(values, choice):
