@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import tempfile
@@ -142,3 +143,11 @@ def staged_dir(out, overwrite: bool = False, inputs: Iterable = (), need_bytes: 
         _put_in_place(staged, out, box)
     finally:
         shutil.rmtree(box, ignore_errors=True)
+
+
+def write_json(path: Path, data) -> None:
+    """Writes `data` as JSON atomically (temp file beside it + rename); numpy scalars become floats."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=float) + "\n")
+    os.replace(tmp, path)

@@ -13,21 +13,15 @@ Only the latest stage and the one a run resumed from are kept (lazily loaded wei
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 from ..ir import Program, load, save
+from ..outputs import write_json
 from .core import PassError, Preserved
 
 #: what passes leave in Program.meta that a checkpoint's config does not hold
 CARRIED_META = ("plan",)
-
-
-def _write_json(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=float) + "\n")
-    os.replace(tmp, path)
 
 
 class StageCheckpoints:
@@ -41,7 +35,7 @@ class StageCheckpoints:
                 raise PassError(f"{self.root} holds the stages of a run on another model; rerun with the same model "
                                 "to resume, or use another output directory")
         else:
-            _write_json(run, {"model": model_hash})
+            write_json(run, {"model": model_hash})
         done = [int(d.name) for d in self.root.iterdir() if d.name.isdigit() and (d / "stage.json").exists()]
         self.resume_at = max(done, default=0)
         self.count = 0
@@ -97,7 +91,7 @@ class StageCheckpoints:
         if d.exists():
             shutil.rmtree(d)
         save(prog, d, extended=True)
-        _write_json(d / "stage.json", {"ran": self.ran, "snapshots": snaps, "reports": am.reports,
+        write_json(d / "stage.json", {"ran": self.ran, "snapshots": snaps, "reports": am.reports,
                                        "meta": {k: prog.meta[k] for k in CARRIED_META if k in prog.meta}})
         for old in self.root.iterdir():
             if old.name.isdigit() and int(old.name) < self.count and old != self.source:

@@ -13,6 +13,7 @@ writes the outputs, each skipped when a rerun finds it done:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 from ..errors import PuzzlekitError
+from ..outputs import write_json
+from .puzzle import add_constraint_arguments, constraints_of
 
 QUICK = {"library": "calib_windows=8,score_windows=2,seq=64,bld_tokens=4096",
          "distill": "batch=4,seq=64,lr=1e-3,eval_every=10,eval_windows=2,checkpoint_every=5",
@@ -28,7 +31,8 @@ QUICK = {"library": "calib_windows=8,score_windows=2,seq=64,bld_tokens=4096",
 FULL = {"library": "calib_windows=64,score_windows=16,seq=256,bld_tokens=65536",
         "distill": "batch=8,seq=128,lr=1e-3,eval_every=50,eval_windows=8,checkpoint_every=25",
         "mtp": "prompts=8,new_tokens=32", "steps": 300, "head_steps": 100}
-CONSTRAINTS = ("speedup", "decode_ms", "prefill_s", "concurrency", "context", "max_params", "max_active")
+#: the constraints in the order a budget sweep picks the one to scale
+SWEPT = ("speedup", "decode_ms", "prefill_s", "max_params", "max_active", "concurrency")
 
 
 def deploy_recipe(target: str) -> str:
@@ -46,11 +50,9 @@ def pipeline_text(template: str, args, out: Path, library: Path) -> str:
     budget = QUICK if args.quick else FULL
     steps = args.steps or budget["steps"]
     rounds = args.iterative
-    constraints = [f"{k}={getattr(args, k)}" for k in CONSTRAINTS if getattr(args, k)]
-    constraints += [f"keep=[{','.join(args.keep)}]"] if args.keep else []
-    if not any(getattr(args, k) for k in CONSTRAINTS if k != "context") and not args.max_params:
-        raise PuzzlekitError("compress needs a deployment target: --speedup, --decode-ms, --prefill-s, "
-                             "--concurrency, --max-params or --max-active")
+    c = constraints_of(args)
+    constraints = [f"{k}={getattr(c, k)}" for k in SWEPT + ("context",) if getattr(c, k)]
+    constraints += [f"keep=[{','.join(c.keep)}]"] if c.keep else []
     recipe = deploy_recipe(args.target)
     values = {"library": library, "library_budget": budget["library"] + (f",grid={args.grid}" if args.grid else ""),
               "rounds": rounds, "target": args.target, "scenario": args.scenario, "constraints": ",".join(constraints),
@@ -71,10 +73,7 @@ def _done(out: Path, name: str) -> bool:
 
 
 def _mark(out: Path, name: str, info: dict) -> None:
-    f = out / "work" / f"{name}.done"
-    tmp = f.with_name(f".{f.name}.tmp")
-    tmp.write_text(json.dumps(info, indent=1, default=float) + "\n")
-    os.replace(tmp, f)
+    write_json(out / "work" / f"{name}.done", info)
 
 
 def compress(args, progress: bool = True) -> dict:
@@ -91,10 +90,10 @@ def compress(args, progress: bool = True) -> dict:
     src = model_path(args.model).resolve()
     if out.resolve() == src or src in out.resolve().parents or out.resolve() in src.parents:
         raise PuzzlekitError(f"-o {out} would write into or around the input model {src}; choose another directory")
-    out.mkdir(parents=True, exist_ok=True)
     library = Path(args.library) if args.library else out / "library"
     template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
     text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
+    out.mkdir(parents=True, exist_ok=True)  # after the options are known to make a pipeline
     passes = parse_pipeline(resolve_pipeline(text))
     parent = ir.load(src)
     prog = parent.copy()
@@ -107,17 +106,11 @@ def compress(args, progress: bool = True) -> dict:
                "reports": am.reports, "seconds": clock, "model": str(src), "target": args.target,
                "scenario": args.scenario, "parent_params": parent.param_counts()["total"]}
     summary["outputs"] = write_outputs(prog, parent, args, out, library)
-    _write_json(out / "work" / "summary.json", summary)
+    write_json(out / "work" / "summary.json", summary)
     from .report import write_report
 
     summary["report"] = str(write_report(out))
     return summary
-
-
-def _write_json(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=float) + "\n")
-    os.replace(tmp, path)
 
 
 def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
@@ -139,7 +132,7 @@ def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
     if not _done(out, "plan"):
         plan = {"plan": prog.meta.get("plan"), "frontier": frontier(parent, args, library),
                 "deployment": deployment(parent, prog, args)}
-        _write_json(out / "plan.json", plan)
+        write_json(out / "plan.json", plan)
         _mark(out, "plan", {})
     if not _done(out, "bundle"):
         _mark(out, "bundle", bundle(prog, args, out / "bundle"))
@@ -149,16 +142,10 @@ def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
 
 def _scaled(args, factor: float):
     """The command's constraints with the first given one scaled by `factor` (a budget sweep)."""
-    from ..passes.puzzle.search import Constraints
-
-    c = {k: getattr(args, k) for k in CONSTRAINTS if getattr(args, k)}
-    for k in ("speedup", "decode_ms", "prefill_s", "max_params", "max_active", "concurrency"):
-        if k in c:
-            c[k] = c[k] * factor if k in ("speedup", "concurrency") else c[k] / factor
-            if k == "concurrency":
-                c[k] = max(1, round(c[k]))
-            return k, Constraints(**c, keep=tuple(args.keep or ()))
-    raise PuzzlekitError("no constraint to sweep")
+    c = constraints_of(args)
+    k = next(k for k in SWEPT if getattr(c, k))
+    v = getattr(c, k) * factor if k in ("speedup", "concurrency") else getattr(c, k) / factor
+    return k, dataclasses.replace(c, **{k: max(1, round(v)) if k == "concurrency" else v})
 
 
 def frontier(parent, args, library: Path) -> list[dict]:
@@ -282,14 +269,7 @@ def add_parsers(sub, model_help: str, positive_int, positive_float) -> tuple:
     c.add_argument("--output", "-o", required=True, help="run directory (the same command again resumes)")
     c.add_argument("--target", default="cpu", help="h100, b200, 8xb200, ..., cpu")
     c.add_argument("--scenario", default="chat", help="long-1m, decode-heavy, prefill-heavy, chat")
-    c.add_argument("--speedup", type=positive_float, help="server throughput >= X times the parent's")
-    c.add_argument("--decode-ms", type=positive_float, help="decode-step latency at batch 1")
-    c.add_argument("--prefill-s", type=positive_float, help="prefill latency of the scenario's input")
-    c.add_argument("--concurrency", type=positive_int, help="requests that fit in memory at --context tokens")
-    c.add_argument("--context", type=positive_int, help="context length for --concurrency (default: the scenario's)")
-    c.add_argument("--max-params", type=positive_float, help="total parameters")
-    c.add_argument("--max-active", type=positive_float, help="active parameters per token")
-    c.add_argument("--keep", nargs="*", default=[], help="block kinds kept intact (e.g. attention)")
+    add_constraint_arguments(c, positive_int, positive_float)
     c.add_argument("--iterative", type=positive_int, default=1, help="rounds of search + distillation (Iterative "
                                                                       "Puzzle); the steps are split over them")
     c.add_argument("--steps", type=positive_int, help="distillation steps in total (default 300; --quick 20)")

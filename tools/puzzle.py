@@ -67,7 +67,7 @@ def run_plan(args) -> int:
     from .. import ir
     from ..ir.printer import format_table
     from ..passes.puzzle import Library
-    from ..passes.puzzle.search import Constraints, Search
+    from ..passes.puzzle.search import Search
     from .cli import UsageError, _emit
 
     lib = Library.open(args.library)
@@ -77,12 +77,7 @@ def run_plan(args) -> int:
     if len(scenarios) not in (1, len(args.target)):
         raise UsageError(f"give one --scenario for all targets or one per --target ({len(args.target)})")
     targets = list(zip(args.target, scenarios * len(args.target) if len(scenarios) == 1 else scenarios))
-    c = Constraints(speedup=args.speedup or 0.0, decode_ms=args.decode_ms or 0.0, prefill_s=args.prefill_s or 0.0,
-                    concurrency=args.concurrency or 0, context=args.context or 0, max_params=args.max_params or 0.0,
-                    max_active=args.max_active or 0.0, keep=tuple(args.keep), uniform=tuple(args.uniform))
-    if not any((c.speedup, c.decode_ms, c.prefill_s, c.concurrency, c.max_params, c.max_active)):
-        raise UsageError("name at least one constraint: --speedup, --decode-ms, --prefill-s, --concurrency, "
-                         "--max-params or --max-active")
+    c = constraints_of(args)
     search = Search(lib, parent, targets, args.recipe or "", args.metric, c)
     plan = search.plan(args.method, args.alternatives, args.min_distance)
     if args.output:
@@ -105,13 +100,8 @@ def run_plan(args) -> int:
     return 0
 
 
-def add_plan_parser(sub, positive_int, positive_float):
-    p = sub.add_parser("plan", help="search a block library for the architecture that meets a deployment target")
-    p.add_argument("library", help="a library directory (puzzlekit library)")
-    p.add_argument("--parent", help="the parent model (default: the one the library was built from)")
-    p.add_argument("--target", action="append", required=True, help="h100, 8xb200, cpu, ... (repeatable)")
-    p.add_argument("--scenario", action="append", help="decode-heavy, long-1m, ... (one, or one per --target)")
-    p.add_argument("--recipe", help="weight precisions for costing: bf16, fp8, nvfp4, nvfp4-hybrid")
+def add_constraint_arguments(p, positive_int, positive_float) -> None:
+    """The deployment constraints `plan` and `compress` take (see search.Constraints)."""
     p.add_argument("--speedup", type=positive_float, help="throughput >= X times the parent's at the rate floor")
     p.add_argument("--decode-ms", type=positive_float, help="decode-step latency at batch 1, milliseconds")
     p.add_argument("--prefill-s", type=positive_float, help="prefill of the scenario's input, seconds")
@@ -120,6 +110,30 @@ def add_plan_parser(sub, positive_int, positive_float):
     p.add_argument("--max-params", type=positive_float, help="total parameters at most")
     p.add_argument("--max-active", type=positive_float, help="active parameters per token at most")
     p.add_argument("--keep", action="append", default=[], help="block kind kept intact, e.g. attention")
+
+
+def constraints_of(args):
+    """search.Constraints from those options; at least one must bound something."""
+    from ..passes.puzzle.search import Constraints
+    from .cli import UsageError
+
+    c = Constraints(speedup=args.speedup or 0.0, decode_ms=args.decode_ms or 0.0, prefill_s=args.prefill_s or 0.0,
+                    concurrency=args.concurrency or 0, context=args.context or 0, max_params=args.max_params or 0.0,
+                    max_active=args.max_active or 0.0, keep=tuple(args.keep), uniform=tuple(getattr(args, "uniform", ())))
+    if not any((c.speedup, c.decode_ms, c.prefill_s, c.concurrency, c.max_params, c.max_active)):
+        raise UsageError("the search needs a deployment target: name at least one constraint: --speedup, "
+                         "--decode-ms, --prefill-s, --concurrency, --max-params or --max-active")
+    return c
+
+
+def add_plan_parser(sub, positive_int, positive_float):
+    p = sub.add_parser("plan", help="search a block library for the architecture that meets a deployment target")
+    p.add_argument("library", help="a library directory (puzzlekit library)")
+    p.add_argument("--parent", help="the parent model (default: the one the library was built from)")
+    p.add_argument("--target", action="append", required=True, help="h100, 8xb200, cpu, ... (repeatable)")
+    p.add_argument("--scenario", action="append", help="decode-heavy, long-1m, ... (one, or one per --target)")
+    p.add_argument("--recipe", help="weight precisions for costing: bf16, fp8, nvfp4, nvfp4-hybrid")
+    add_constraint_arguments(p, positive_int, positive_float)
     p.add_argument("--uniform", action="append", default=[], help="KIND.AXIS equal in every layer, e.g. mamba2.state")
     p.add_argument("--metric", default="kl", help="score minimised: kl, lm_loss, ... (as recorded)")
     p.add_argument("--method", default="mip", choices=["mip", "uniform", "greedy"])

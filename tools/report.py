@@ -50,6 +50,12 @@ def _plots():
     return plt
 
 
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plots().close(fig)
+
+
 def architecture_plot(parent_rows: list, child_rows: list, path: Path) -> None:
     plt = _plots()
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(parent_rows) + 1.5))
@@ -62,9 +68,7 @@ def architecture_plot(parent_rows: list, child_rows: list, path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xticks([0.45, 1.45], ["parent", "child (bar: share of the parent's parameters)"])
     ax.set_ylabel("layer")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def frontier_plot(points: list, path: Path) -> None:
@@ -79,9 +83,7 @@ def frontier_plot(points: list, path: Path) -> None:
     ax.set_ylabel("summed replacement score (KL, nats/token)")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def distillation_plot(runs: list, path: Path) -> None:
@@ -98,9 +100,7 @@ def distillation_plot(runs: list, path: Path) -> None:
     ax.set_ylabel("loss term")
     ax.set_yscale("log")
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def mtp_plot(values: dict, path: Path) -> None:
@@ -108,9 +108,7 @@ def mtp_plot(values: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.bar(list(values), list(values.values()), color=["#55a868", "#c44e52", "#4c72b0"][:len(values)])
     ax.set_ylabel("mean acceptance length (tokens / step)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _table(header: list, rows: list) -> str:

@@ -17,13 +17,13 @@ import torch
 from tqdm.auto import tqdm
 
 from ...ir import Program, print_program
-from ...outputs import check_output
+from ...outputs import check_output, write_json
 from ...training import barrier, distributed
 from .bld import block_activations, block_module, distill_block, linear_fit, nmse, seed_of
 from .grid import Variant, check_grid, load_grid, variants
 from .importance import compute_importance
 from .library import (FORMAT, MANIFEST, Library, LibraryError, load_row, parent_hash, replacement_spec, row_of,
-                      save_variant, slice_variant, variant_spec, write_json)
+                      save_variant, slice_variant, variant_spec)
 from .score import Scorer
 
 SETTINGS = "settings.json"

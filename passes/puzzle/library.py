@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from ...ir import Program, print_program
 from ...ir.checkpoint import spec_from_dict, spec_to_dict
 from ...ir.ops import Linear, Noop, OpSpec
+from ...outputs import write_json
 from ..core import PassError
 from .grid import Variant
 
@@ -46,13 +47,6 @@ def parent_hash(prog: Program) -> str:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
-
-
-def write_json(path: Path, data) -> None:
-    """Atomically (temp file + rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def _keep(ax, ranks, n: int):
