@@ -310,6 +310,15 @@ class CostModel:
                 if resident else 0.0,
                 "params": sum(math.prod(sh) for sh in shapes.values()), "active_params": op.active_params()}
 
+    def check_priceable(self, context: int | None = None) -> None:
+        """Raises now what pricing the scenario would raise later (the measured provider refuses a prefill or
+        a decode state it cannot time here), so that a long run is refused before it starts."""
+        if isinstance(self.provider, MeasuredProvider):
+            s = self.scenario
+            for op in (n.op for n in self.prog.nodes if n.op.kind != "mtp"):
+                self.provider.check(op, 1, s.input_len, 0, False)
+                self.provider.check(op, 1, 1, context or s.decode_context, True)
+
     def prepare(self, ops, batch: int, context: int | None = None) -> None:
         """Times `ops` (a search's variants and the parent's ops) together before `node_costs` asks for them
         one by one, so the measured provider's times compare like with like; a no-op for analytic targets."""

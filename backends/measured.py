@@ -119,7 +119,8 @@ class MeasuredProvider:
         per = max([self.state_bytes(op, 1, context) for op in ops], default=0)
         return self.max_batch if per == 0 else min(self.max_batch, int(self.budget_bytes // per))
 
-    def _bound(self, op, batch, tokens, context, decode) -> None:
+    def check(self, op, batch, tokens, context, decode) -> None:
+        """Refuses what this provider cannot time here (a prefill too long, a decode state too large)."""
         if not decode and batch * tokens > self.max_prefill_tokens:
             raise PuzzlekitError(f"the measured cpu provider runs every prefill it prices; {batch * tokens:,} tokens "
                                  f"is above its bound of {self.max_prefill_tokens:,}: {FIX}")
@@ -134,7 +135,7 @@ class MeasuredProvider:
         """Seconds for each (op, batch, tokens, context, decode): cached ones (re-checked once per provider),
         the rest timed together in one round-robin."""
         for it in items:
-            self._bound(*it)
+            self.check(*it)
         keys = [self.key(*it) for it in items]
         if not self._checked:
             cached = list(dict.fromkeys(k for k in keys if k in self._loaded))[: self.spot_checks]
@@ -181,7 +182,7 @@ class MeasuredProvider:
         """Times ops and other callables (whole models) in the same turns, so they can be compared; the op
         times replace the cached ones."""
         for it in items:
-            self._bound(*it)
+            self.check(*it)
         ops, more = self._measure(items, extra)
         self.store(items, ops)
         return ops, more

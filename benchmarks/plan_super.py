@@ -16,8 +16,9 @@ from pathlib import Path
 from puzzlekit import ir
 from puzzlekit.passes.puzzle import build_library
 from puzzlekit.passes.puzzle.search import Constraints, PlanError, Search
+from puzzlekit.tools.default_model import config_path
 
-CONFIG = Path(__file__).resolve().parents[2] / "shared" / "configs" / "nemotron-3-super-120b-a12b.config.json"
+CONFIG = config_path("nemotron-3-super-120b-a12b")
 TARGETS = {
     "8 x 1M-token requests on one H100 (NVFP4, FP8 KV)":
         (("h100", "long-1m"), Constraints(concurrency=8, keep=("attention",), uniform=("mamba2.state",))),

@@ -368,8 +368,9 @@ def _cast_to_model_dtype(prog: Program, dtype: torch.dtype, src: Path) -> None:
 
 
 def _drop_tied_head_copy(prog: Program, src: Path) -> None:
-    """transformers saves `lm_head.weight` even when the config ties it to the embedding: the copy is
-    accepted (and dropped) when it equals the embedding, refused when it differs (which would be meant?)."""
+    """transformers saves `lm_head.weight` even when the config ties it to the embedding, and its NemotronH
+    never ties them: it computes with the stored head. A copy equal to the embedding is dropped (the head
+    stays tied); a different one is used, as transformers does, with a warning naming the field."""
     heads, embeds, w = prog.find("lm_head"), prog.find("embed"), prog.weights
     if len(heads) != 1 or len(embeds) != 1 or not heads[0].op.tied:
         return
@@ -377,9 +378,13 @@ def _drop_tied_head_copy(prog: Program, src: Path) -> None:
     if head not in w or emb not in w:
         return
     if not w.equal(head, emb):
-        raise CheckpointError(f"{src}: the config sets tie_word_embeddings=true, but the stored {head!r} differs "
-                              f"from {emb!r} (transformers' NemotronH would use the stored head); set "
-                              "tie_word_embeddings to false in config.json to use it, or remove it to tie the head")
+        note = (f"the config sets tie_word_embeddings=true, but the stored {head!r} differs from {emb!r}: the "
+                f"stored head is used, as transformers' NemotronH does (it never ties them), and the model is "
+                f"saved untied; set tie_word_embeddings to false in config.json to say so")
+        prog.rewrite(heads[0], op=heads[0].op.replace(tied=False), weights={"weight": w.get(head)})
+        prog.meta.setdefault("notes", []).append(note)
+        warnings.warn(f"{src}: {note}", CheckpointWarning, stacklevel=3)
+        return
     w.delete(head)
     prog.meta.setdefault("notes", []).append(f"{head} equals {emb} (the head is tied) and is not kept")
 

@@ -16,11 +16,11 @@ from puzzlekit import ir
 from puzzlekit.backends.torch import materialize, random_weights
 from puzzlekit.errors import CheckpointError, PuzzlekitError
 from puzzlekit.outputs import OutputError
+from puzzlekit.tools.default_model import config_path
 
 
-CONFIGS = Path("/work/shared/configs")
-SUPER = CONFIGS / "nemotron-3-super-120b-a12b.config.json"
-NANO = CONFIGS / "nemotron-3-nano-30b-a3b.config.json"
+SUPER = config_path("nemotron-3-super-120b-a12b")
+NANO = config_path("nemotron-3-nano-30b-a3b")
 ckpt_module = importlib.import_module("puzzlekit.ir.checkpoint")
 
 

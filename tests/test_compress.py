@@ -51,6 +51,16 @@ def test_the_compress_template_fills_in_to_a_pipeline_that_round_trips(extra, tm
         pipeline_text("x", parser().parse_args(["compress", "-o", str(tmp_path)]), tmp_path, tmp_path)
 
 
+def test_a_target_that_cannot_price_the_scenario_is_refused_before_any_work(tmp_path, capsys):
+    from puzzlekit.tools.cli import main
+
+    out = tmp_path / "run"
+    argv = ["compress", "--quick", "--target", "cpu", "--scenario", "long-1m", "--concurrency", "2", "-o", str(out)]
+    assert main(argv) == 1
+    assert "1,048,576 tokens is above its bound" in capsys.readouterr().err
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_the_child_meets_its_constraint_keeps_its_mtp_head_and_loads(run):
     out, summary = run

@@ -12,11 +12,10 @@ from puzzlekit.backends.cost import (AnalyticProvider, CostModel, Efficiency, Me
                                      get_scenario)
 from puzzlekit.backends.targets import TARGETS, get_target, load_target_file
 from puzzlekit.ir.ops import MLP, MTP, Attention, Embed, Linear, LMHead, Mamba2, MoE, Noop, Norm
+from puzzlekit.tools.default_model import config_path
 
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
-SUPER = CONFIGS / "nemotron-3-super-120b-a12b.config.json"
-NANO = CONFIGS / "nemotron-3-nano-30b-a3b.config.json"
-needs_configs = pytest.mark.skipif(not SUPER.exists(), reason="shared configs not present")
+SUPER = config_path("nemotron-3-super-120b-a12b")
+NANO = config_path("nemotron-3-nano-30b-a3b")
 ARGS = dict(kv_bytes=2.0, ssm_bytes=4.0, act_bytes=2.0)
 
 
@@ -92,7 +91,6 @@ def test_roofline_by_hand():
     assert b200.op_seconds(op, nv, big, 1, 2.0, 8192) == pytest.approx(big.flops / (9000e12 * 0.5) + 3e-6, rel=1e-9)
 
 
-@needs_configs
 def test_super_state_matches_published_figures():
     prog = ir.load(SUPER)
     cm = CostModel(prog, "h100", get_scenario("chat", mtp_resident=True))
@@ -104,7 +102,6 @@ def test_super_state_matches_published_figures():
     assert cm.state_bytes_per_request(0) > mamba  # + the MTP head's hidden
 
 
-@needs_configs
 def test_both_configs_cost_on_every_gpu_target():
     for cfg in (SUPER, NANO):
         prog = ir.load(cfg)
@@ -116,7 +113,6 @@ def test_both_configs_cost_on_every_gpu_target():
                 assert r.weight_bytes > 0 and r.prefill_seconds > 0, (cfg.name, name, sc)
 
 
-@needs_configs
 def test_named_scenarios_and_infeasibility():
     prog = ir.load(SUPER)
     r = cost(prog, "h100", "long-1m")
@@ -133,7 +129,6 @@ def test_named_scenarios_and_infeasibility():
     assert slow.max_batch == 0 and slow.infeasible.startswith("rate floor: 1e+06 tokens/s per user wanted")
 
 
-@needs_configs
 def test_recipes_shrink_weights():
     prog = ir.load(SUPER)
     b = {r: cost(prog, "8xb200", "chat", recipe=r).weight_bytes for r in ("bf16", "fp8", "nvfp4-hybrid", "nvfp4")}
@@ -179,7 +174,6 @@ def test_smaller_ssm_state_never_needs_more_memory(state, context):
     assert small.weight_bytes() <= big.weight_bytes()
 
 
-@needs_configs
 @pytest.mark.parametrize("gpu", ["h100", "h200", "b200"])
 def test_more_gpus_never_lower_the_memory_limit(gpu):
     prog = ir.load(NANO)
@@ -514,7 +508,6 @@ def test_the_cost_command_names_the_binding_constraint_and_headroom(capsys):
     assert j["headroom"]["requests"] == j["max_concurrency"] - j["max_batch"]
 
 
-@needs_configs
 def test_the_published_memory_figures():
     """Puzzle-75B: about 70 GB (GiB) of NVFP4 weights for Super and 44.5 for the child; on one H100 at 1M
     tokens, 1 request for Super and 8 for the child (goal 7-9)."""

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +22,9 @@ from puzzlekit.passes.puzzle.importance import compute_importance
 from puzzlekit.passes.puzzle.library import slice_variant
 from puzzlekit.passes.puzzle.score import Scorer
 from puzzlekit.tools.cli import main
-from puzzlekit.tools.default_model import model_path
+from puzzlekit.tools.default_model import config_path, model_path
 
-SUPER = Path(__file__).resolve().parents[2] / "shared" / "configs" / "nemotron-3-super-120b-a12b.config.json"
+SUPER = config_path("nemotron-3-super-120b-a12b")
 
 
 @pytest.fixture(scope="module")

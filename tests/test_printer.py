@@ -9,11 +9,11 @@ import pytest
 from puzzlekit import ir
 from puzzlekit.ir import Node
 from puzzlekit.ir.ops import Opaque
+from puzzlekit.tools.default_model import config_path
 
 GOLDEN = Path(__file__).parent / "golden"
-CONFIGS = Path("/work/shared/configs")
-SUPER = CONFIGS / "nemotron-3-super-120b-a12b.config.json"
-NANO = CONFIGS / "nemotron-3-nano-30b-a3b.config.json"
+SUPER = config_path("nemotron-3-super-120b-a12b")
+NANO = config_path("nemotron-3-nano-30b-a3b")
 
 
 def golden(name: str) -> str:

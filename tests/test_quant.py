@@ -151,11 +151,9 @@ def test_mse_calibration_is_never_worse_than_amax():
 
 # -- recipes ---------------------------------------------------------------------------------------------------------
 def test_nvfp4_hybrid_assignment_on_the_super_config():
-    from pathlib import Path
-    cfg = Path(__file__).resolve().parents[2] / "shared" / "configs" / "nemotron-3-super-120b-a12b.config.json"
-    if not cfg.exists():
-        pytest.skip("shared configs not present")
-    plan = get_recipe("nvfp4-hybrid").assign(ir.load(cfg))
+    from puzzlekit.tools.default_model import config_path
+
+    plan = get_recipe("nvfp4-hybrid").assign(ir.load(config_path("nemotron-3-super-120b-a12b")))
     moe = plan["backbone.layers.1"]
     assert moe["mixer.experts.511.down_proj.weight"] == "nvfp4" and moe["mixer.shared_experts.up_proj.weight"] == "fp8"
     assert "mixer.fc1_latent_proj.weight" not in moe and "mixer.gate.weight" not in moe

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,9 +14,9 @@ from puzzlekit.backends.cost import CostModel, get_scenario
 from puzzlekit.passes.puzzle import build_library
 from puzzlekit.passes.puzzle.search import Constraints, PlanError, Search
 from puzzlekit.tools.cli import main
-from puzzlekit.tools.default_model import DEFAULT_MODEL
+from puzzlekit.tools.default_model import DEFAULT_MODEL, config_path
 
-SUPER = Path(__file__).resolve().parents[2] / "shared" / "configs" / "nemotron-3-super-120b-a12b.config.json"
+SUPER = config_path("nemotron-3-super-120b-a12b")
 REL = 1e-9
 
 
@@ -99,6 +98,52 @@ def test_diverse_alternatives(meta_lib):
             assert sum(a != b for a, b in zip(seen[i], seen[j])) >= 2
 
 
+def test_runners_up_are_sought_only_within_their_time_budget(meta_lib):
+    parent, lib = meta_lib
+    search = Search(lib, parent, [("h100", "chat")], constraints=Constraints(speedup=1.5))
+    best = search.plan()
+    none = search.plan(alternatives=50, alternatives_seconds=0.0)  # the budget is spent at the first solution
+    assert none.alternatives == [] and [p["id"] for p in none.layers] == [p["id"] for p in best.layers]
+
+
+def test_a_throughput_target_beyond_any_batch_is_infeasible_naming_the_constraint(meta_lib):
+    parent, lib = meta_lib
+    for speedup in (1e6, 1e308):
+        with pytest.raises(PlanError, match=r"^infeasible: (.|\n)*serve_seconds: needs .* allowed"):
+            Search(lib, parent, [("h100", "chat")], constraints=Constraints(speedup=speedup)).plan()
+
+
+#: runs the CLI with HiGHS's habit simulated: writing to file descriptor 1 through C's stdio and directly
+NOISY_SOLVER = """
+import ctypes, os, sys
+from puzzlekit.passes.puzzle import mip
+real = mip.milp
+def noisy(*args, **kwargs):
+    ctypes.CDLL(None).printf(b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\\n")
+    os.write(1, b"written past sys.stdout\\n")
+    return real(*args, **kwargs)
+mip.milp = noisy
+from puzzlekit.tools.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "LIB", "--target", "h100", "--scenario", "chat", "--speedup", "1.5", "--json"],
+    ["plan", "LIB", "--target", "h100", "--scenario", "chat", "--speedup", "1.5", "--alternatives", "3", "--json"],
+    ["plan", "LIB", "--target", "h100", "--scenario", "chat", "--max-params", "1e6", "--method", "greedy", "--json"],
+    ["inspect", "--json"], ["passes", "--json"], ["cost", "--target", "h100", "--scenario", "chat", "--json"],
+])
+def test_json_output_is_json_alone_even_when_the_solver_writes_to_stdout(meta_lib, argv):
+    _, lib = meta_lib
+    argv = [str(lib.path) if a == "LIB" else a for a in argv]
+    p = subprocess.run([sys.executable, "-c", NOISY_SOLVER, *argv], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert isinstance(json.loads(p.stdout), dict)
+    if argv[0] == "plan" and "greedy" not in argv:
+        assert "tmpSolver.run()" in p.stderr  # the solver ran, and what it wrote went to stderr
+
+
 def test_two_targets_at_once(meta_lib):
     parent, lib = meta_lib
     plan = Search(lib, parent, [("h100", "chat"), ("b200", "decode-heavy")],
@@ -154,6 +199,9 @@ def test_plan_command_json_and_child(meta_lib, tmp_path, capsys):
     (["--target", "h100", "--scenario", "chat", "--speedup", "2", "--keep", "conv"], 1, "keep=.*conv"),
     (["--target", "h100", "--scenario", "chat"], 2, "name at least one constraint"),
     (["--target", "h100", "--speedup", "-1"], 2, "--speedup"),
+    (["--target", "h100", "--scenario", "chat", "--speedup", "1e308"], 1, r"infeasible: (.|\n)*serve_seconds"),
+    (["--target", "h100", "--scenario", "chat", "--speedup", "2", "--alternatives", "101"], 2,
+     r"--alternatives: must be an integer >= 1 and <= 100"),
 ])
 def test_plan_errors_are_clear(meta_lib, args, code, match):
     _, lib = meta_lib

@@ -23,7 +23,7 @@ from puzzlekit.backends.targets import TARGETS
 from puzzlekit.backends.tensorrt import BundleError, plan_profiles, write_bundle
 from puzzlekit.backends.torch import materialize, random_weights
 from puzzlekit.ir.ops import MLP, Attention, Embed, LMHead, Mamba2, MoE, Norm
-from puzzlekit.ir.quant.formats import _nvfp4_qdq
+from puzzlekit.ir.quant.formats import nvfp4_qdq
 from puzzlekit.passes import PassManager
 from puzzlekit.tools.cli import main
 from puzzlekit.tools.default_model import load_default
@@ -61,7 +61,7 @@ def test_reference_fp4_quantizer_follows_the_format():
     assert q.dtype == ml_dtypes.float4_e2m1fn and sb.dtype == ml_dtypes.float8_e4m3fn and sb.shape == (3, 5, 4)
     deq = q.astype(np.float32) * np.repeat(sb.astype(np.float32) * s2.numpy(), 16, axis=-1)
     assert np.isfinite(deq).all()
-    np.testing.assert_array_equal(deq, _nvfp4_qdq(x, s2).numpy())
+    np.testing.assert_array_equal(deq, nvfp4_qdq(x, s2).numpy())
     assert np.all(np.abs(q[1, 1, :8].astype(np.float32)) == [6, 4, 4, 2, 2, 1, 1, 0])
 
 

@@ -79,6 +79,7 @@ def _mark(out: Path, name: str, info: dict) -> None:
 def compress(args, progress: bool = True) -> dict:
     """Runs every stage that has not finished; returns the summary (also OUT/work/summary.json)."""
     from .. import ir
+    from ..backends.cost import CostModel, get_scenario
     from ..errors import read_text
     from ..passes import Instrumentation, PassManager, parse_pipeline, print_pipeline, resolve_pipeline
     from ..passes.pipeline import PIPELINES_DIR
@@ -93,9 +94,10 @@ def compress(args, progress: bool = True) -> dict:
     library = Path(args.library) if args.library else out / "library"
     template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
     text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
-    out.mkdir(parents=True, exist_ok=True)  # after the options are known to make a pipeline
     passes = parse_pipeline(resolve_pipeline(text))
     parent = ir.load(src)
+    CostModel(parent, args.target, get_scenario(args.scenario)).check_priceable(args.context)
+    out.mkdir(parents=True, exist_ok=True)  # once the options make a pipeline the target can price
     prog = parent.copy()
     stages = StageCheckpoints(out / "work" / "stages", parent_hash(parent))
     ins = Instrumentation(progress=progress, stages=stages)
@@ -248,9 +250,17 @@ def run_compress(args) -> int:
              *(f"{k}: predicted {v['predicted']['tokens_per_second']:,.0f} tokens/s"
                + (f", measured {v['measured']['tokens_per_second']:,.0f}" if "measured" in v else "")
                for k, v in dep.items()),
+             _bundle_line(s["outputs"]["bundle"]),
              f"report: {s['report']}/report.md"]
     _emit(args, s, "\n".join(ln for ln in lines if ln) + "\n")
     return 0
+
+
+def _bundle_line(b: dict) -> str:
+    if "precision" not in b:  # the cpu target: ONNX graphs for onnxruntime
+        return f"bundle: {b['directory']} (ONNX for onnxruntime)"
+    built = ", ".join(b["engines"]) or "none built here (bash trtexec.sh or build_engines.py on the GPU)"
+    return f"bundle: {b['directory']} (TensorRT, {b['target']}, {b['precision']}; engines: {built})"
 
 
 def run_report(args) -> int:

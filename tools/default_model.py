@@ -7,6 +7,8 @@ from ..ir import Program, assemble, load
 from ..ir.ops import MLP, MTP, Attention, Embed, LMHead, Mamba2, MoE, Norm
 
 DEFAULT_MODEL = Path(__file__).parent / "default-model"
+#: the public architecture configs shipped with the package (meta weights: load, print, cost, plan)
+CONFIGS = Path(__file__).parent / "configs"
 PATTERN = "MEM*EM-MEM*E"
 
 
@@ -27,6 +29,17 @@ def load_default() -> Program:
     return load(DEFAULT_MODEL)
 
 
+def config_path(name: str) -> Path:
+    """A shipped config by name, e.g. `nemotron-3-super-120b-a12b`."""
+    return CONFIGS / f"{name}.config.json"
+
+
 def model_path(model: str | None) -> Path:
-    return DEFAULT_MODEL if model in (None, "", "default") else Path(model)
+    """What a command's MODEL argument names: the built-in model (none or `default`), a shipped config's
+    name, or a path."""
+    if model in (None, "", "default"):
+        return DEFAULT_MODEL
+    if "/" not in model and not Path(model).exists() and config_path(model).is_file():
+        return config_path(model)
+    return Path(model)
 

@@ -7,6 +7,8 @@ from pathlib import Path
 #: help of --extended (run, plan)
 EXTENDED_HELP = ("write puzzlekit's extended form (puzzlekit_nemotron_h) for programs the published nemotron_h_puzzle "
                  "schema cannot express (noop or linear blocks, Mamba layers that differ); no serving engine loads it")
+#: most solutions `plan --alternatives` asks for: each is one more MIP solve
+MAX_ALTERNATIVES = 100
 #: size classes of the summary: a variant's parameters as a share of its parent block's, at most
 SIZE_CLASSES = ((0.25, "<=25%"), (0.5, "<=50%"), (0.75, "<=75%"), (0.999999, "<100%"))
 
@@ -63,6 +65,15 @@ def add_parser(sub, model_help: str, positive_int, positive_float):
     return p
 
 
+def _alternatives_line(plan, args) -> str:
+    if args.alternatives == 1:
+        return ""
+    asked, found = args.alternatives - 1, len(plan.alternatives)
+    why = "" if found == asked else f" (no more differ in >= {args.min_distance} layers, or " \
+                                     f"--alternatives-seconds {args.alternatives_seconds:g} ran out)"
+    return f"\nrunners-up: {found} of {asked} found{why}; --json lists them"
+
+
 def run_plan(args) -> int:
     from .. import ir
     from ..ir.printer import format_table
@@ -79,7 +90,8 @@ def run_plan(args) -> int:
     targets = list(zip(args.target, scenarios * len(args.target) if len(scenarios) == 1 else scenarios))
     c = constraints_of(args)
     search = Search(lib, parent, targets, args.recipe or "", args.metric, c)
-    plan = search.plan(args.method, args.alternatives, args.min_distance)
+    plan = search.plan(args.method, args.alternatives, args.min_distance,
+                       alternatives_seconds=args.alternatives_seconds)
     if args.output:
         child = search.child(search.rows_of(plan), weights=not lib.weightless)
         child.meta["provenance"] = {"plan": plan.to_json(), "library": str(lib.path),
@@ -95,7 +107,8 @@ def run_plan(args) -> int:
             f"params {pc['total'] / 1e9:.3f}B -> {plan.params_total / 1e9:.3f}B total, {pc['active'] / 1e9:.3f}B -> "
             f"{plan.params_active / 1e9:.3f}B active\n"
             f"{args.method}: objective {plan.objective:.6g} ({plan.score_source} scores), {plan.status}, "
-            f"solved in {plan.solve_seconds:.2f} s" + (f"\nwrote {args.output}" if args.output else "") + "\n")
+            f"solved in {plan.solve_seconds:.2f} s" + _alternatives_line(plan, args)
+            + (f"\nwrote {args.output}" if args.output else "") + "\n")
     _emit(args, plan.to_json(), text)
     return 0
 
@@ -127,6 +140,8 @@ def constraints_of(args):
 
 
 def add_plan_parser(sub, positive_int, positive_float):
+    from .cli import _number
+
     p = sub.add_parser("plan", help="search a block library for the architecture that meets a deployment target")
     p.add_argument("library", help="a library directory (puzzlekit library)")
     p.add_argument("--parent", help="the parent model (default: the one the library was built from)")
@@ -137,7 +152,10 @@ def add_plan_parser(sub, positive_int, positive_float):
     p.add_argument("--uniform", action="append", default=[], help="KIND.AXIS equal in every layer, e.g. mamba2.state")
     p.add_argument("--metric", default="kl", help="score minimised: kl, lm_loss, ... (as recorded)")
     p.add_argument("--method", default="mip", choices=["mip", "uniform", "greedy"])
-    p.add_argument("--alternatives", type=positive_int, default=1, help="diverse runners-up to report")
+    p.add_argument("--alternatives", type=_number(int, 1, MAX_ALTERNATIVES), default=1,
+                   help=f"solutions to report: the best and diverse runners-up (at most {MAX_ALTERNATIVES})")
+    p.add_argument("--alternatives-seconds", type=positive_float, default=60.0,
+                   help="stop seeking runners-up after this long (default 60)")
     p.add_argument("--min-distance", type=positive_int, default=1, help="layers each alternative differs in")
     p.add_argument("--output", "-o", help="write the child checkpoint here")
     p.add_argument("--overwrite", action="store_true")

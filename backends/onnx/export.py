@@ -96,16 +96,16 @@ def _quiet():
 
 
 def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, opset: int) -> onnx.ModelProto:
-    from ...ir.quant.formats import nvfp4_activations_as_one_op
-    from .trt_ops import onnxscript_lowering, type_outputs
+    from ...ir.quant.formats import nvfp4_activations_as
+    from .trt_ops import nvfp4_qdq_op, onnxscript_lowering, type_outputs
 
-    with _quiet(), nvfp4_activations_as_one_op():
+    qdq = nvfp4_qdq_op()
+    with _quiet(), nvfp4_activations_as(qdq):
         try:
             program = torch.onnx.export(module, args, input_names=input_names, output_names=output_names,
                                         dynamic_shapes=dynamic, dynamo=True, opset_version=opset, verbose=False,
                                         optimize=False,  # keeps parameter names (quantized lowering finds them)
-                                        custom_translation_table={torch.ops.puzzlekit.nvfp4_qdq.default:
-                                                                  onnxscript_lowering()})
+                                        custom_translation_table={qdq: onnxscript_lowering()})
         except Exception as e:  # the exporter raises many types; say which graph failed
             raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     model = program.model_proto

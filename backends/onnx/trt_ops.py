@@ -12,8 +12,11 @@ q = nearest E2M1 of x / (sb s2)).
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto
 from onnx.defs import OpSchema
 from onnx.reference.op_run import OpRun
@@ -37,6 +40,18 @@ def register_schema() -> None:
         attributes=[OpSchema.Attribute("axis", attr, "blocked axis (the last)"),
                     OpSchema.Attribute("block_size", attr, "elements per block (16)"),
                     OpSchema.Attribute("scale_type", attr, "data type of the block scales (FLOAT8E4M3FN)")]))
+
+
+@functools.cache
+def nvfp4_qdq_op() -> torch._ops.OpOverload:
+    """`puzzlekit::nvfp4_qdq`, NVFP4 activation quantise-dequantise as one torch op that the exporter lowers
+    with `onnxscript_lowering`. Registered on first use, once per process (torch keeps one op per name)."""
+    if not hasattr(torch.ops.puzzlekit, "nvfp4_qdq"):
+        from ...ir.quant.formats import nvfp4_qdq
+
+        op = torch.library.custom_op("puzzlekit::nvfp4_qdq", nvfp4_qdq, mutates_args=())
+        op.register_fake(lambda x, scale: torch.empty_like(x))
+    return torch.ops.puzzlekit.nvfp4_qdq.default
 
 
 def onnxscript_lowering():

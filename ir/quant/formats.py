@@ -173,36 +173,23 @@ def fake_quantize(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tenso
         return (x / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * s
     if fmt != "nvfp4":
         raise QuantError(f"unknown format {fmt!r}")
-    return nvfp4_qdq(x, scale) if _AS_ONE_OP else _nvfp4_qdq(x, scale)
-
-
-_AS_ONE_OP = False
+    return _NVFP4_ACTIVATIONS(x, scale)
 
 
 @contextmanager
-def nvfp4_activations_as_one_op():
-    """While active, NVFP4 activation fake-quantization is the single op `puzzlekit::nvfp4_qdq`, which the
-    ONNX exporter lowers to TensorRT's dynamic-quantize pattern instead of tracing its arithmetic."""
-    global _AS_ONE_OP
-    before, _AS_ONE_OP = _AS_ONE_OP, True
+def nvfp4_activations_as(op):
+    """While active, NVFP4 activation fake-quantization calls `op(x, global_scale)` instead of tracing its
+    arithmetic: the ONNX exporter passes its one custom op, which it lowers to TensorRT's dynamic quantizer."""
+    global _NVFP4_ACTIVATIONS
+    before, _NVFP4_ACTIVATIONS = _NVFP4_ACTIVATIONS, op
     try:
         yield
     finally:
-        _AS_ONE_OP = before
+        _NVFP4_ACTIVATIONS = before
 
 
-@torch.library.custom_op("puzzlekit::nvfp4_qdq", mutates_args=())
-def nvfp4_qdq(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """NVFP4 quantise-dequantise of activations with dynamic block scales (one op for export)."""
-    return _nvfp4_qdq(x, global_scale)
-
-
-@nvfp4_qdq.register_fake
-def _(x, global_scale):
-    return torch.empty_like(x)
-
-
-def _nvfp4_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def nvfp4_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 quantise-dequantise of activations with dynamic block scales under the global scale `scale`."""
     s2 = scale.float()
     blocks = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
     sb = blocks.abs().amax(-1, keepdim=True).float() / (E2M1_MAX * s2)
@@ -210,3 +197,6 @@ def _nvfp4_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     sb = sb.to(torch.float8_e4m3fn).float()
     vals = E2M1_VALUES.to(x.device)[e2m1_codes(blocks / (sb * s2)).long()]
     return (vals * (sb * s2)).reshape(x.shape).to(x.dtype)
+
+
+_NVFP4_ACTIVATIONS = nvfp4_qdq

@@ -7,9 +7,13 @@ unscaled numbers, and one HiGHS accepts only within its tolerances is cut off an
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import numbers
+import os
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -26,6 +30,7 @@ _OBJECTIVE_SCALE = 1e4
 #: how many choices feasible only within HiGHS's tolerances are cut off before giving up
 _RETRIES = 100
 _STATUS = {0: "optimal", 1: "time limit", 2: "infeasible"}
+_LIBC = ctypes.CDLL(None) if os.name == "posix" else None  # for fflush: HiGHS prints through C's stdio
 
 
 @dataclass
@@ -113,16 +118,20 @@ class _Run(NamedTuple):
 
 
 def solve(problem: Problem, n_solutions: int = 1, min_distance: int = 1, time_limit: float = 60.0,
-          mip_rel_gap: float = 1e-9) -> list[Solution]:
+          mip_rel_gap: float = 1e-9, seconds: float = math.inf) -> list[Solution]:
     """The best choice, then up to n_solutions - 1 next best ones, each differing from every earlier one in
-    at least `min_distance` layers (Puzzle's diversity constraint). Fewer come back when no more exist or a
-    later run times out without a solution. `time_limit` is in seconds per HiGHS run.
+    at least `min_distance` layers (Puzzle's diversity constraint). Fewer come back when no more exist, a
+    later run times out without a solution, or the call has run `seconds` (runners-up are only sought
+    within that budget). `time_limit` is in seconds per HiGHS run.
     Raises Infeasible (with a diagnosis) or TimedOut when there is no first solution."""
     if n_solutions < 1 or min_distance < 1:
         raise PassError(f"solve needs n_solutions >= 1 and min_distance >= 1, got {n_solutions}, {min_distance}")
     active = _constraints(problem)
     found: list[Solution] = []
+    start = time.perf_counter()
     for _ in range(n_solutions):
+        if found and time.perf_counter() - start >= seconds:
+            break
         cuts = [(s.choice, problem.n_layers - min_distance) for s in found]
         run = _optimise(problem, problem.score, active, cuts, time_limit, mip_rel_gap)
         if run.choice is None:
@@ -161,8 +170,9 @@ def _optimise(p: Problem, objective, active, cuts, time_limit, gap) -> _Run:
     c = np.zeros(p._n_vars)
     c[:reduced.size] = reduced / top * _OBJECTIVE_SCALE
     for _ in range(_RETRIES):
-        res = milp(c, integrality=np.ones(p._n_vars), bounds=Bounds(0, 1), constraints=_rows(p, active, cuts),
-                   options={"time_limit": time_limit, "mip_rel_gap": gap})
+        with _native_stdout_to_stderr():
+            res = milp(c, integrality=np.ones(p._n_vars), bounds=Bounds(0, 1), constraints=_rows(p, active, cuts),
+                       options={"time_limit": time_limit, "mip_rel_gap": gap})
         status = _STATUS.get(res.status, res.message)
         if res.x is None:
             return _Run(None, status, math.inf, time.perf_counter() - t0)
@@ -173,6 +183,22 @@ def _optimise(p: Problem, objective, active, cuts, time_limit, gap) -> _Run:
         cuts.append((choice, p.n_layers - 1))   # feasible only within HiGHS's tolerances: exclude, retry
     raise PassError(f"HiGHS returned {_RETRIES} choices that break the bounds in exact arithmetic; the costs or "
                     "bounds are numerically degenerate (e.g. near-zero cost differences)")
+
+
+@contextmanager
+def _native_stdout_to_stderr():
+    """HiGHS writes some diagnostics to file descriptor 1 itself, past sys.stdout, which would break a
+    command's `--json` output: during a solve, descriptor 1 points at stderr (C's buffers flushed first)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        if _LIBC is not None:
+            _LIBC.fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _extreme(p: Problem, con: _Con, active, time_limit) -> float | None:

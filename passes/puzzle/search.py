@@ -108,15 +108,15 @@ def explain(e: Infeasible, pr: Priced) -> str:
                      f"(the parent: {_fmt(b.resource, pr.parent[b.resource])})")
     if e.conflict:
         lines.append("these cannot be met together: " + ", ".join(c.split(" ")[0] for c in e.conflict))
-    return "no architecture meets the constraints:\n  " + "\n  ".join(lines or [str(e)])
+    return "infeasible: no architecture meets the constraints:\n  " + "\n  ".join(lines or [str(e)])
 
 
 def _fmt(resource: str, v: float) -> str:
     if "seconds" in resource:
-        return f"{v * 1e3:.3f} ms"
+        return f"{v * 1e3:.4g} ms"
     if "memory" in resource:
-        return f"{v / 1e9:.2f} GB"
-    return f"{v / 1e9:.3f}B"
+        return f"{v / 1e9:.4g} GB"
+    return f"{v / 1e9:.4g}B"
 
 
 class Search:
@@ -238,6 +238,8 @@ class Search:
                              uniform=self.uniform)
         return pr
 
+    #: the largest decode batch tried: a far larger throughput target is infeasible in memory, and says so
+    MAX_BATCH = 1 << 20
     #: bounds that move from the parent's figure toward the target over the rounds (memory is physical)
     MOVED = ("latency_seconds", "prefill_seconds", "params", "active_params")
 
@@ -261,13 +263,15 @@ class Search:
         if not self.c.speedup:
             return [[1] * len(self.models)]
         base = [b.max_batch or 1 for b in self.base]
-        options = [sorted({max(1, math.ceil(self.c.speedup * b)), b}) for b in base]
+        options = [sorted({max(1, min(self.MAX_BATCH, math.ceil(min(self.c.speedup * b, self.MAX_BATCH)))), b})
+                   for b in base]
         return [list(x) for x in np.array(np.meshgrid(*options)).T.reshape(-1, len(self.models))]
 
     def plan(self, method: str = "mip", alternatives: int = 1, min_distance: int = 1,
-             time_limit: float = 60.0) -> Plan:
+             time_limit: float = 60.0, alternatives_seconds: float = 60.0) -> Plan:
         """The best choice over the candidate batches: by the MIP (with up to `alternatives` - 1 diverse
-        runners-up), or by a baseline (`uniform`, `greedy`)."""
+        runners-up at the best batch, sought for at most `alternatives_seconds`), or by a baseline
+        (`uniform`, `greedy`)."""
         if method not in ("mip", *BASELINES):
             raise PassError(f"unknown search method {method!r}; known: mip, {', '.join(BASELINES)}")
         start, best, failed = time.perf_counter(), None, None
@@ -275,7 +279,7 @@ class Search:
             pr = self.problem(batch)
             if method == "mip":
                 try:
-                    sols = solve(pr.problem, alternatives, min_distance, time_limit)
+                    sols = solve(pr.problem, 1, time_limit=time_limit)
                 except Infeasible as e:
                     failed = failed or (e, pr)
                     continue
@@ -293,6 +297,8 @@ class Search:
                 raise PlanError(explain(*failed) + self._fitting(failed[0])) from None
             raise PlanError(f"the {method} baseline finds no architecture that meets the constraints")
         sols, pr, batch = best
+        if method == "mip" and alternatives > 1:
+            sols = solve(pr.problem, alternatives, min_distance, time_limit, seconds=alternatives_seconds)
         seconds = time.perf_counter() - start
         plans = [self._plan(s, pr, int(batch[0]), seconds) for s in sols]
         plans[0].alternatives = [p.to_json() for p in plans[1:]]
