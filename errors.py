@@ -7,6 +7,10 @@ class PuzzlekitError(Exception):
     """Base of every error puzzlekit raises on purpose."""
 
 
+class UsageError(PuzzlekitError):
+    """A command was asked for something it cannot do as given (exit code 2)."""
+
+
 class CheckpointError(PuzzlekitError):
     """A checkpoint or config cannot be read, or does not match its config."""
 

@@ -53,7 +53,7 @@ def bits_per_byte(model, windows: torch.Tensor, batch: int = 8) -> float:
     total, count = 0.0, 0
     for ids in _batches(windows, batch):
         logits = _outputs(model, ids)[0][:, :-1]
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1),
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1).to(logits.device),
                                  reduction="sum").item()
         count += ids[:, 1:].numel()
     return total / count / LN2
@@ -90,7 +90,7 @@ def mtp_accuracy(model, windows: torch.Tensor, batch: int = 8) -> float:
         mtp = _outputs(model, ids)[1]
         if mtp is None:
             raise ValueError("the model has no MTP head")
-        hit += (mtp[:, 1:-1].argmax(-1) == ids[:, 2:]).sum().item()
+        hit += (mtp[:, 1:-1].argmax(-1).cpu() == ids[:, 2:]).sum().item()
         count += ids[:, 2:].numel()
     return hit / count
 
@@ -108,15 +108,16 @@ def mtp_drafter(model) -> Drafter:
 
     @torch.no_grad()
     def draft(seq: torch.Tensor, bonus: int, k: int) -> list[int]:
-        h = model.values(seq[None], trunk_value)  # [1, n, hidden]
-        ids = torch.cat([seq, torch.tensor([bonus])])[None]
+        h = model.values(seq[None], trunk_value)  # [1, n, hidden], on the model's device
+        ids = torch.cat([seq, torch.tensor([bonus])])[None].to(h.device)
         out = []
         for _ in range(k):  # position j reads the state of j-1: h is one shorter than ids, pad its end
-            logits, z = head.with_hidden(torch.cat([h, h[:, -1:]], dim=1), ids)
+            with model.compute.autocast():
+                logits, z = head.with_hidden(torch.cat([h, h[:, -1:]], dim=1), ids)
             tok = int(logits[0, -1].argmax())
             out.append(tok)
             h = torch.cat([h, z[:, -1:]], dim=1)
-            ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+            ids = torch.cat([ids, torch.tensor([[tok]], device=ids.device)], dim=1)
         return out
 
     return draft

@@ -60,15 +60,35 @@ class Fit:
 
 
 def distributed() -> tuple[int, int]:
-    """(rank, world size); joins the torchrun process group (gloo) when launched by torchrun."""
+    """(rank, world size); joins the torchrun process group when launched by torchrun: NCCL with each rank
+    on its own GPU (cuda:LOCAL_RANK) where CUDA is, gloo otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        else:
+            dist.init_process_group("gloo")
     return dist.get_rank(), world
+
+
+def _finite_everywhere(loss: torch.Tensor) -> tuple[bool, bool]:
+    """(this rank's loss is finite, every rank's is). Data-parallel ranks decide together, so that a loss
+    that diverges on one rank stops all of them at the same step instead of leaving the others waiting in
+    the next gradient all-reduce."""
+    here = bool(torch.isfinite(loss))
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return here, here
+    flag = torch.tensor([0.0 if here else 1.0], device=loss.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return here, flag.item() == 0.0
 
 
 def barrier(world: int) -> None:
@@ -102,14 +122,14 @@ def fit(model: torch.nn.Module, step_loss: Callable[[int], tuple[torch.Tensor, d
     step = resumed_from = 0
     earlier, stopped = 0.0, False
     if state_file is not None and Path(state_file).exists():
-        st = torch.load(state_file, weights_only=True)
+        st = torch.load(state_file, weights_only=True, map_location=next(model.parameters()).device)
         if st.get("identity") != (identity or {}):
             raise TrainingError(f"{state_file} was written with other settings {st.get('identity')}; "
                                 "use the same settings to resume, or a new output directory")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         if rng is not None:
-            rng.set_state(st["rng"])
+            rng.set_state(st["rng"].cpu())
         for cb, cb_state in zip(callbacks, st.get("callbacks", [])):
             if cb_state is not None:
                 cb.load_state_dict(cb_state)
@@ -135,9 +155,11 @@ def fit(model: torch.nn.Module, step_loss: Callable[[int], tuple[torch.Tensor, d
         for g in opt.param_groups:
             g["lr"] = lr
         loss, parts = step_loss(step)
-        if not torch.isfinite(loss):
-            raise TrainingError(f"{desc}: training diverged at step {step + 1}: the loss is {loss.item()} at "
-                                f"learning rate {lr:.3g}; lower the learning rate (--lr) and start again")
+        here, everywhere = _finite_everywhere(loss)
+        if not everywhere:
+            where = f"the loss is {loss.item()}" if not here else "the loss is not finite on another rank"
+            raise TrainingError(f"{desc}: training diverged at step {step + 1}: {where} at learning rate {lr:.3g}; "
+                                "lower the learning rate (--lr) and start again")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if schedule.clip:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import PuzzlekitError
+from .torch.device import CPU, Compute
 
 FIX = "price it on an analytic target (--target h100, or a target file describing this CPU) or a shorter one"
 
@@ -36,10 +37,14 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def conditions() -> dict:
+def conditions(compute: Compute = CPU) -> dict:
     """What a timing depends on besides the op and its shapes."""
-    return {"cpu": _cpu_model(), "machine": platform.machine(), "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(torch.get_default_dtype())}
+    out = {"cpu": _cpu_model(), "machine": platform.machine(), "cores": os.cpu_count(),
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(torch.get_default_dtype())}
+    if compute != CPU:
+        gpu = torch.cuda.get_device_name(compute.device) if compute.device.type == "cuda" else ""
+        out |= {"device": str(compute.device), "gpu": gpu, "compute_dtype": str(compute.dtype)}
+    return out
 
 
 class MeasuredProvider:
@@ -58,12 +63,13 @@ class MeasuredProvider:
     budget_bytes = 2 * 2**30
 
     def __init__(self, cache: Path | None = None, repeats: int = 7, warmup: int = 2, spot_checks: int = 2,
-                 tolerance: float = 0.25, timer=time.perf_counter, conditions_fn=conditions):
+                 tolerance: float = 0.25, timer=time.perf_counter, conditions_fn=None, compute: Compute = CPU):
+        """`compute`: the device and precision ops are timed in (on CUDA with events, after synchronising)."""
         self.cache_file = cache or Path(os.environ.get("PUZZLEKIT_CACHE", Path.home() / ".cache" / "puzzlekit")) \
             / "cpu-op-times.json"
         self.repeats, self.warmup, self.spot_checks, self.tolerance = repeats, warmup, spot_checks, tolerance
-        self.timer = timer
-        self.conditions = conditions_fn()
+        self.timer, self.compute = timer, compute
+        self.conditions = conditions_fn() if conditions_fn else conditions(compute)
         self._cache = self._load()
         self._loaded = set(self._cache)  # times read from disk (not taken by this provider): re-checked once
         self._checked = False  # whether this provider has re-checked the cache it read
@@ -204,14 +210,36 @@ class MeasuredProvider:
             samples = [[] for _ in runs]
             for _ in range(self.repeats):
                 for r, s in zip(runs, samples):
-                    t0 = self.timer()
-                    r()
-                    s.append(self.timer() - t0)
+                    s.append(self._time(r))
         self.timed += len(runs)
         return [statistics.fmean(s) for s in samples]
 
+    def _time(self, run) -> float:
+        """Seconds of one call: wall time on CPU; on CUDA the device's own time between two events."""
+        if self.compute.device.type != "cuda":
+            t0 = self.timer()
+            run()
+            return self.timer() - t0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.compute.synchronize()
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
     @torch.no_grad()
     def _runner(self, op, batch, tokens, context, decode):
+        runner = self._build_runner(op, batch, tokens, context, decode)
+        compute = self.compute
+
+        def run():
+            with compute.autocast():
+                return runner()
+        return run
+
+    @torch.no_grad()
+    def _build_runner(self, op, batch, tokens, context, decode):
         g = torch.Generator().manual_seed(0)
         m = op.build().eval()
         for p in m.parameters():
@@ -223,17 +251,19 @@ class MeasuredProvider:
         else:
             x = torch.randn(batch, tokens, op.hidden, generator=g)
         if getattr(op, "tied", False):
-            m.bind(torch.nn.Embedding(op.vocab, op.hidden))
+            m.bind(torch.nn.Embedding(op.vocab, op.hidden, device=self.compute.device))
         state = None
         if op.is_block and decode and op.state_shapes():
             state = tuple(torch.randn(*[{"B": batch, "L": context}.get(d, d) for d in shape], generator=g)
                           for shape in op.state_shapes().values())
+        device = self.compute.device
+        m, x = m.to(device), x.to(device)
+        state = None if state is None else tuple(t.to(device) for t in state)
         if op.is_block:  # the runtime hands states back in one layout (ProgramModule.contiguous_state): so here
             return lambda: [t.contiguous() for t in m(x, state, decode)[1]]
         return lambda: m(x)
 
-    @staticmethod
-    def model_runs(prog, batch: int, context: int, prefill_tokens: int) -> list:
+    def model_runs(self, prog, batch: int, context: int, prefill_tokens: int) -> list:
         """Callables running the whole trunk (the MTP head apart, as the cost model prices it): a decode step
         at `batch` with `context` tokens of state, and a prefill of `prefill_tokens`."""
         from .torch import materialize
@@ -241,7 +271,7 @@ class MeasuredProvider:
         trunk = prog.copy()
         trunk.nodes = [n for n in trunk.nodes if n.op.kind != "mtp"]
         trunk.outputs = trunk.outputs[:1]
-        m = materialize(trunk)
+        m = materialize(trunk, compute=self.compute)
         g = torch.Generator().manual_seed(0)
         vocab = next(n.op.vocab for n in trunk.nodes if n.op.kind == "embed")
         with torch.no_grad():

@@ -83,6 +83,20 @@ class Pass:
         return (inspect.getdoc(cls) or "").split("\n")[0]
 
 
+@dataclass
+class ComputePass(Pass):
+    """A pass that runs the model. `device` (auto, cpu, cuda, cuda:N) and `dtype` (auto, float32, bfloat16,
+    float16) default to the pipeline's (`--device` / `--dtype` of run and compress)."""
+
+    device: str = ""
+    dtype: str = ""
+
+    def compute(self, am: AnalysisManager):
+        from ..backends.torch.device import resolve
+
+        return resolve(self.device or am.device, self.dtype or am.dtype)
+
+
 PASSES: dict[str, type[Pass]] = {}
 
 
@@ -163,6 +177,7 @@ class AnalysisManager:
         self.manager = None  # the PassManager running (nested pipelines run through it)
         self.instrument = None
         self.round = (1, 1)  # (i, n) inside the i-th of n iterations of repeat{n=...}
+        self.device, self.dtype = "auto", "auto"  # the pipeline's, for passes that compute (ComputePass)
 
     def get(self, name: str, **options):
         if name not in ANALYSES:

@@ -4,7 +4,8 @@ Every part of a run is looked up by name in a registry that users extend the sam
 are registered: loss terms (`register_loss`), data sources (`register_data`), optimiser/schedule
 factories (`register_optimizer`) and callbacks (`register_callback`). The loop itself is the shared one
 (`training.fit`): resumable from atomic checkpoints, and data-parallel under `torchrun` (DDP, gloo on CPU,
-NCCL on GPUs), where each process takes its slice of the same global batch.
+NCCL on GPUs), where each process takes its slice of the same global batch. The forward runs in the pass's
+compute dtype (bf16 autocast by default on CUDA), the master weights, optimizer state and losses in float32.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from ..backends.torch.device import CPU, Compute
 from ..ir import Program
 from ..training import Schedule, distributed, fit
-from .core import Pass, PassError, Preserved, register
+from .core import ComputePass, PassError, Preserved, register
 
 # -- the registries ------------------------------------------------------------------------------------------
 LOSSES: dict[str, Callable] = {}  # name -> fn(batch: Batch) -> scalar tensor
@@ -241,8 +243,9 @@ def teacher_program(name: str, am) -> Program:
 
 
 def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | None = None,
-            progress: bool = False) -> dict:
-    """Trains `prog`'s weights in place against `teacher_prog`; returns the run's report."""
+            progress: bool = False, compute: Compute = CPU) -> dict:
+    """Trains `prog`'s weights in place against `teacher_prog` on `compute`'s device and precision; returns
+    the run's report."""
     from ..backends.torch import materialize
     from ..evaluate import bits_per_byte
     from .puzzle.library import parent_hash
@@ -262,7 +265,8 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
     users = [_lookup(CALLBACKS, c, "callback", "callbacks")(d) for c in d.callbacks]
 
     torch.manual_seed(d.seed)
-    student, teacher = materialize(prog, dtype=torch.float32), materialize(teacher_prog, dtype=torch.float32)
+    student = materialize(prog, dtype=torch.float32, compute=compute)
+    teacher = materialize(teacher_prog, dtype=torch.float32, compute=compute)
     teacher.requires_grad_(False)
     for param in student.parameters():  # the store's tensors are shared with the teacher and snapshots:
         param.data = param.data.clone()  # training must update copies
@@ -276,14 +280,15 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        net = DistributedDataParallel(student, find_unused_parameters=True)  # unrouted experts get no gradient
+        ids = [compute.device.index] if compute.device.type == "cuda" else None
+        net = DistributedDataParallel(student, device_ids=ids, find_unused_parameters=True)  # unrouted experts
     s_seen, s_undo = _capture(student)
     t_seen, t_undo = _capture(teacher)
     gen = torch.Generator().manual_seed(d.seed)
     rows = slice(rank * d.batch // world, (rank + 1) * d.batch // world)
 
     def step_loss(step: int):
-        ids = source.sample(gen)[rows]  # every process draws the same global batch and keeps its slice
+        ids = source.sample(gen)[rows].to(compute.device)  # every process draws the same global batch, keeps its slice
         x = ids[:, :-1]
         with torch.no_grad():
             t_out = _outputs(teacher, t_seen, x)
@@ -298,7 +303,8 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
     ev.keep({"step": 0, **before})  # the starting point competes too: distillation must earn its keep
     identity = {**d.options(), "callbacks": list(d.callbacks), "student": parent_hash(prog),
                 "teacher": parent_hash(teacher_prog)}  # not the process count: the global batch is the same
-    identity.pop("eval_windows", None)
+    for option in ("eval_windows", "device"):  # neither changes what is trained: a run may resume elsewhere
+        identity.pop(option, None)
     try:
         run = fit(student, step_loss, schedule, rng=gen, every=d.checkpoint_every, identity=identity,
                   state_file=None if state_dir is None else state_dir / "distill_state.pt", write=rank == 0,
@@ -310,7 +316,7 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
         student.load_state_dict(ev.best_weights)
         after = ev.measure()
     for name, t in student.state_dict().items():
-        prog.weights.set(name, t.detach().clone().to(prog.weights.get(name).dtype))
+        prog.weights.set(name, t.detach().clone().to("cpu", prog.weights.get(name).dtype))
     after["bits_per_byte"] = bits_per_byte(student, source.held_out)
     return {"steps": run.step, "resumed_from": run.resumed_from, "stopped": run.stopped, "terms": terms,
             "before": before, "after": after, "teacher_bits_per_byte": bits_per_byte(teacher, source.held_out),
@@ -318,7 +324,7 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
 
 
 @register("distill")
-class Distill(Pass):
+class Distill(ComputePass):
     """Recover quality by knowledge distillation from a teacher (a snapshot or a checkpoint path)."""
 
     teacher: str = "teacher"
@@ -356,6 +362,7 @@ class Distill(Pass):
                 state_dir = state_dir / f"round{rounds[0]}"
             state_dir.mkdir(parents=True, exist_ok=True)
         ins = getattr(am, "instrument", None)
-        report = distill(prog, teacher_program(self.teacher, am), self, state_dir, bool(ins and ins.progress))
+        report = distill(prog, teacher_program(self.teacher, am), self, state_dir, bool(ins and ins.progress),
+                         self.compute(am))
         am.reports.setdefault("distill", []).append(report)
         return Preserved.structure_only()

@@ -28,9 +28,12 @@ class Instrumentation:
 class PassManager:
     """Runs passes in order over one Program, sharing an AnalysisManager between them."""
 
-    def __init__(self, passes: list[Pass] | str, instrument: Instrumentation | None = None):
+    def __init__(self, passes: list[Pass] | str, instrument: Instrumentation | None = None, device: str = "auto",
+                 dtype: str = "auto"):
+        """`device` and `dtype`: where passes that compute run, unless a pass's own options say otherwise."""
         self.passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
         self.instrument = instrument or Instrumentation()
+        self.device, self.dtype = device, dtype
 
     @property
     def pipeline(self) -> str:
@@ -39,6 +42,7 @@ class PassManager:
     def run(self, prog: Program, am: AnalysisManager | None = None) -> AnalysisManager:
         am = am or AnalysisManager(prog)
         am.instrument, am.manager = self.instrument, self
+        am.device, am.dtype = self.device, self.dtype
         self._run_list(self.passes, prog, am, [])
         return am
 

@@ -10,21 +10,21 @@ from __future__ import annotations
 from dataclasses import field
 from typing import ClassVar
 
-from .core import Pass, PassError, Preserved, register
+from .core import ComputePass, PassError, Preserved, register
 from .distill import teacher_program
 
 
-def acceptance(prog, prompts, drafts: int, new_tokens: int) -> float:
+def acceptance(prog, prompts, drafts: int, new_tokens: int, compute=None) -> float:
     from ..backends.torch import materialize
     from ..evaluate import acceptance_length
 
     if not prog.find("mtp"):
         raise PassError("mtp-check: the model has no MTP head")
-    return acceptance_length(materialize(prog), prompts, drafts, new_tokens)
+    return acceptance_length(materialize(prog, compute=compute), prompts, drafts, new_tokens)
 
 
 @register("mtp-check")
-class MTPCheck(Pass):
+class MTPCheck(ComputePass):
     """Compare the MTP head's speculative acceptance length with the teacher's; fail past `tolerance`."""
 
     teacher: str = "teacher"
@@ -40,8 +40,9 @@ class MTPCheck(Pass):
         from ..data import load_corpus, sequential_windows
 
         prompts = sequential_windows(load_corpus(list(self.data) or None).valid, self.prompt_len, limit=self.prompts)
-        ours = acceptance(prog, prompts, self.drafts, self.new_tokens)
-        theirs = acceptance(teacher_program(self.teacher, am), prompts, self.drafts, self.new_tokens)
+        compute = self.compute(am)
+        ours = acceptance(prog, prompts, self.drafts, self.new_tokens, compute)
+        theirs = acceptance(teacher_program(self.teacher, am), prompts, self.drafts, self.new_tokens, compute)
         floor = theirs * (1 - self.tolerance)
         am.reports.setdefault("mtp-check", []).append(
             {"acceptance": ours, "teacher_acceptance": theirs, "drafts": self.drafts, "floor": floor})

@@ -11,15 +11,11 @@ import platform
 import sys
 from pathlib import Path
 
-from ..errors import PuzzlekitError
+from ..errors import PuzzlekitError, UsageError
 from ..outputs import OutputError, check_output
 from .puzzle import add_parser as add_library_parser
 from .puzzle import EXTENDED_HELP, add_plan_parser
 from .compress import add_parsers as add_compress_parsers
-
-
-class UsageError(PuzzlekitError):
-    """The command line itself is wrong (exit code 2)."""
 
 
 #: generation lengths (tokens per prompt, draft tokens) above this are refused: decoding a million tokens one
@@ -50,6 +46,22 @@ def _number(cast, lo, hi=None, above: bool = False):
 positive_int = _number(int, 1)
 positive_float, nonneg_float = _number(float, 0, above=True), _number(float, 0)
 token_count = _number(int, 1, MAX_TOKENS)
+
+
+def add_compute_arguments(parser) -> None:
+    """`--device` and `--dtype` for a command that computes (see backends.torch.device)."""
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: CUDA when available; "
+                                                         "under torchrun each rank takes cuda:LOCAL_RANK)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the forward's precision (auto: bfloat16 on CUDA, float32 on CPU); weights, optimizer "
+                             "state and losses stay float32")
+
+
+def compute_of(args):
+    """The command's device and precision, refused here (exit 2) when this machine has no such device."""
+    from ..backends.torch.device import resolve
+
+    return resolve(args.device, args.dtype)
 
 
 def _emit(args, data: dict, text: str) -> None:
@@ -143,6 +155,7 @@ def _run(args) -> int:
     from .default_model import model_path
 
     _load_plugins(args.plugin)
+    compute_of(args)
     try:
         passes = parse_pipeline(resolve_pipeline(args.pipeline))
     except PipelineSyntaxError as e:
@@ -154,7 +167,7 @@ def _run(args) -> int:
     ins = Instrumentation(verify_each=args.verify_each, print_ir_after=args.print_ir_after,
                           progress=not args.json and sys.stderr.isatty())
     before = prog.param_counts()
-    pm = PassManager(passes, ins)
+    pm = PassManager(passes, ins, args.device, args.dtype)
     pm.run(prog)
     if int(os.environ.get("RANK", "0")):  # a data-parallel process under torchrun: rank 0 writes the result
         return 0
@@ -179,13 +192,14 @@ def _run(args) -> int:
 def _train(args) -> int:
     from .train import TrainConfig, train
 
+    compute = compute_of(args)
     out = check_output(args.output, args.data or [], overwrite=True)
     if out.is_dir() and any(out.iterdir()) and not (out / "train_state.pt").exists():
         raise UsageError(f"{out} is not empty and holds no training run; choose a new -o "
                          "(the same -o again resumes a run)")
     cfg = TrainConfig(steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
                       checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes)
-    m = train(Path(args.output), cfg, args.data, progress=not args.json)
+    m = train(Path(args.output), cfg, args.data, progress=not args.json, compute=compute)
     text = (f"step {m['step']}/{cfg.steps} in {m['train_seconds']:.0f} s\n"
             f"validation bits per byte {m['valid_bits_per_byte']:.3f} (unigram baseline "
             f"{m['unigram_bits_per_byte']:.3f}) on {m['valid_bytes']:,} bytes\n"
@@ -200,6 +214,7 @@ def _eval(args) -> int:
     from ..data import load_corpus, sequential_windows
     from .default_model import model_path
 
+    compute = compute_of(args)
     if args.k > args.new_tokens:
         raise UsageError(f"--k {args.k} drafts more tokens per step than --new-tokens {args.new_tokens} generates")
     corpus = load_corpus(args.data)
@@ -207,8 +222,8 @@ def _eval(args) -> int:
     if len(windows) < args.prompts:
         raise UsageError(f"--prompts {args.prompts} needs as many held-out windows; there are {len(windows)} "
                          f"(--windows {args.windows}, {len(corpus.valid):,} held-out bytes)")
-    model = materialize(ir.verify(_model(args)))
-    res = {"model": str(model_path(args.model)), "valid_bytes": int(windows[:, 1:].numel()),
+    model = materialize(ir.verify(_model(args)), compute=compute)
+    res = {"model": str(model_path(args.model)), "compute": str(compute), "valid_bytes": int(windows[:, 1:].numel()),
            "bits_per_byte": evaluate.bits_per_byte(model, windows),
            "unigram_bits_per_byte": evaluate.unigram_bits_per_byte(corpus.train, windows)}
     if model.program.find("mtp"):
@@ -217,7 +232,7 @@ def _eval(args) -> int:
         res["acceptance_length"] = evaluate.acceptance_length(model, prompts, args.k, args.new_tokens)
         res["draft_tokens"] = args.k
     if args.teacher:
-        teacher = materialize(ir.verify(ir.load(model_path(args.teacher))))
+        teacher = materialize(ir.verify(ir.load(model_path(args.teacher))), compute=compute)
         res.update(evaluate.teacher_agreement(teacher, model, windows))
     lines = [f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in res.items()]
     _emit(args, res, "\n".join(lines) + "\n")
@@ -226,11 +241,15 @@ def _eval(args) -> int:
 
 def _cost(args) -> int:
     from ..backends.cost import cost
+    from ..backends.measured import MeasuredProvider
+    from ..backends.targets import get_target
     from ..ir.printer import format_table
 
+    compute = compute_of(args)
     prog = _model(args)
-    r = cost(prog, args.target, args.scenario, recipe=args.recipe, gpus=args.gpus, concurrency=args.concurrency,
-             mtp_resident=args.mtp or None)
+    measured = MeasuredProvider(compute=compute) if get_target(args.target).kind == "cpu" else None
+    r = cost(prog, args.target, args.scenario, provider=measured, recipe=args.recipe, gpus=args.gpus,
+             concurrency=args.concurrency, mtp_resident=args.mtp or None)
     s = r.scenario
     gb = 1e9
     rows = [("kind", "count", "weights GB", "state MB/req", "decode ms", "prefill ms")]
@@ -286,6 +305,7 @@ def _build_engine(args) -> int:
     from .default_model import model_path
 
     src = model_path(args.model).resolve()
+    compute_of(args)
     check_output(args.output, [src], args.overwrite)  # before the work, not after
     target, scenario = get_target(args.target), get_scenario(args.scenario)
     prog = ir.verify(_model(args))
@@ -295,7 +315,8 @@ def _build_engine(args) -> int:
     recipe = args.recipe or ("" if formats(prog) else target.trt.get("recipe", "bf16"))
     if recipe and recipe != "bf16":
         check_fp4({r.format for r in get_recipe(recipe).rules}, target, f"recipe {recipe!r} uses")
-        PassManager(f"quantize{{recipe={recipe},samples={args.calib_samples},target={target.name}}}").run(prog)
+        PassManager(f"quantize{{recipe={recipe},samples={args.calib_samples},target={target.name}}}",
+                    device=args.device, dtype=args.dtype).run(prog)
     check_fp4(formats(prog), target)
     calib = None
     if scenario.kv_dtype == "fp8":  # KV-cache scales from text windows, as the quantize pass calibrates
@@ -343,6 +364,7 @@ def _generate(args) -> int:
     from .. import ir
     from ..backends.torch import materialize
 
+    compute = compute_of(args)
     prog = ir.verify(_model(args))
     vocab = prog.find("embed")[0].op.vocab
     if vocab != 256:
@@ -360,11 +382,11 @@ def _generate(args) -> int:
             om = OnnxModel(Path(d) / "onnx")
             new = _greedy(lambda: om.prefill(prompt), om.decode, args.max_new_tokens, lambda outs: outs["logits"])
     else:
-        m = materialize(prog)
+        m = materialize(prog, compute=compute)
         with torch.no_grad():
             new = _greedy(lambda: m.prefill(torch.from_numpy(prompt)),
                           lambda tok, state: m.decode(torch.from_numpy(tok), state), args.max_new_tokens,
-                          lambda outs: outs[0].float().numpy(), m)
+                          lambda outs: outs[0].float().cpu().numpy(), m)
     tokens = np.concatenate([prompt, new], axis=1)
     text = bytes(new[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
     _emit(args, {"prompt": args.prompt, "completion": text, "tokens": tokens[0].tolist(), "backend": args.backend},
@@ -464,6 +486,8 @@ def parser() -> argparse.ArgumentParser:
     pl = add_plan_parser(sub, positive_int, positive_float)
     cp, rp = add_compress_parsers(sub, model_help, positive_int, positive_float)
 
+    for cmd in (r, t, e, c, be, g, lb, cp):
+        add_compute_arguments(cmd)
     for cmd in (s, r):
         cmd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                          help="import MODULE first (it may register passes); repeatable")
@@ -488,7 +512,14 @@ def main(argv: list[str] | None = None) -> int:
         if not ours or (e.__cause__ is not None and not isinstance(e.__cause__, PuzzlekitError)):
             msg += " (PUZZLEKIT_DEBUG=1 shows the traceback)"
         print(f"puzzlekit {args.command}: error: {msg}", file=sys.stderr)
-        return 2 if isinstance(e, (UsageError, OutputError)) else 1
+        return 2 if any(isinstance(x, (UsageError, OutputError)) for x in _causes(e)) else 1
+
+
+def _causes(e: BaseException):
+    """The exception and what it was raised from (a pass's usage error is still one)."""
+    while e is not None:
+        yield e
+        e = e.__cause__
 
 
 if __name__ == "__main__":

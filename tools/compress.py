@@ -87,6 +87,9 @@ def compress(args, progress: bool = True) -> dict:
     from ..passes.stages import StageCheckpoints
     from .default_model import model_path
 
+    from .cli import compute_of
+
+    compute_of(args)  # before any work: a device this machine lacks is a usage error
     out = Path(args.output)
     src = model_path(args.model).resolve()
     if out.resolve() == src or src in out.resolve().parents or out.resolve() in src.parents:
@@ -102,7 +105,7 @@ def compress(args, progress: bool = True) -> dict:
     stages = StageCheckpoints(out / "work" / "stages", parent_hash(parent))
     ins = Instrumentation(progress=progress, stages=stages)
     t0 = time.perf_counter()
-    am = PassManager(passes, ins).run(prog)
+    am = PassManager(passes, ins, args.device, args.dtype).run(prog)
     clock = {"pipeline": time.perf_counter() - t0, **{label: s for label, s in ins.timings}}
     summary = {"pipeline": print_pipeline(passes), "resumed_at_pass": stages.resume_at, "passes": stages.count,
                "reports": am.reports, "seconds": clock, "model": str(src), "target": args.target,

@@ -32,13 +32,14 @@ def summary_rows(lib) -> list[tuple]:
 def run_library(args) -> int:
     from ..ir.printer import format_table
     from ..passes.puzzle import LibrarySettings, build_library
-    from .cli import _emit, _model
+    from .cli import _emit, _model, compute_of
 
+    compute = compute_of(args)
     prog = _model(args)
     settings = LibrarySettings(calib_windows=args.calib_windows, score_windows=args.score_windows, seq=args.seq,
                                bld_tokens=args.bld_tokens, bld_lr=args.bld_lr, data=list(args.data or []))
     start = time.monotonic()
-    lib = build_library(prog, Path(args.output), args.grid, settings, progress=not args.json)
+    lib = build_library(prog, Path(args.output), args.grid, settings, progress=not args.json, compute=compute)
     seconds = time.monotonic() - start
     mode = "weightless (sizes only: no BLD, no scores)" if lib.weightless else "trained and scored"
     text = f"{len(lib.layers())} layers, {len(lib.rows)} variants, {mode}, in {seconds:.1f} s\n"

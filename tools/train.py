@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .. import evaluate, ir
 from ..backends.torch import materialize, random_weights
+from ..backends.torch.device import CPU, Compute
 from ..data import load_corpus, random_windows, sequential_windows
 from ..errors import PuzzlekitError
 from ..training import Schedule, fit
@@ -57,21 +58,23 @@ class TrainConfig:
 
 
 def loss_fn(model, ids: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, dict]:
-    """Next-byte cross-entropy of the trunk plus `mtp_weight` times the MTP head's (from position 1)."""
-    x, y = ids[:, :-1], ids[:, 1:]
+    """Next-byte cross-entropy of the trunk plus `mtp_weight` times the MTP head's (from position 1), in
+    float32 whatever the forward's precision."""
+    x, y = ids[:, :-1], ids[:, 1:].to(model.compute.device)
     logits, mtp = model(x)
-    trunk = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-    head = F.cross_entropy(mtp[:, 1:].reshape(-1, mtp.shape[-1]), y[:, 1:].reshape(-1))
+    trunk = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+    head = F.cross_entropy(mtp[:, 1:].reshape(-1, mtp.shape[-1]).float(), y[:, 1:].reshape(-1))
     return trunk + mtp_weight * head, {"loss": trunk.item(), "mtp_loss": head.item()}
 
 
-def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: bool = True) -> dict:
+def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: bool = True,
+          compute: Compute = CPU) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state_file = out / "train_state.pt"
     corpus = load_corpus(data)
     prog = random_weights(default_architecture(), seed=cfg.seed)
-    model = materialize(prog)
+    model = materialize(prog, compute=compute)
     gen = torch.Generator().manual_seed(cfg.seed)
     schedule = Schedule(cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio, cfg.weight_decay)
     run = fit(model, lambda step: loss_fn(model, random_windows(corpus.train, cfg.batch, cfg.seq + 1, gen),
@@ -82,7 +85,7 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
     step, resumed_from = run.step, run.resumed_from
     model.eval()
     for name, t in model.state_dict().items():
-        prog.weights.set(name, t.detach().clone())
+        prog.weights.set(name, t.detach().clone().cpu())
     windows = sequential_windows(corpus.valid, cfg.seq + 1, limit=cfg.eval_windows)
     metrics = {
         "step": step, "resumed_from": resumed_from, "finished": run.finished, "train_seconds": round(run.seconds, 1),

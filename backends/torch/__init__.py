@@ -10,6 +10,7 @@ from ...ir.ops.base import QUANT_FORMATS
 from ...ir.ops.io import TiedHead
 from ...ir.program import Program
 from ...ir.weights import WeightStore
+from .device import CPU, Compute
 
 
 def _place(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -34,6 +35,8 @@ class ProgramModule(nn.Module):
     def __init__(self, prog: Program, device: str | torch.device = "cpu"):
         super().__init__()
         self.program = prog
+        #: where inputs go and the forward's precision (autocast); see backends.torch.device
+        self.compute = CPU if str(device) == "meta" else Compute(torch.device(device))
         self._nodes = []
         for n in prog.nodes:
             with torch.device(device):
@@ -52,6 +55,12 @@ class ProgramModule(nn.Module):
         self.contiguous_state = True
 
     def _run(self, ids, state, decode, keep=()):
+        if ids.device != self.compute.device:
+            ids = ids.to(self.compute.device)
+        with self.compute.autocast():
+            return self._run_nodes(ids, state, decode, keep)
+
+    def _run_nodes(self, ids, state, decode, keep):
         env = {self.program.inputs[0]: ids}
         new_state, i = [], 0
         for n, m in self._nodes:
@@ -87,19 +96,21 @@ class ProgramModule(nn.Module):
 
 
 def load_weights(module: ProgramModule, weights: WeightStore | None = None) -> ProgramModule:
-    """Copies the store's tensors into the module. Quantised weights are dequantised (fake quantization)
-    and the inputs of weights with an activation format are quantised-dequantised at run time."""
+    """Puts the store's tensors into the module, on its device (on CPU the module shares them). Quantised
+    weights are dequantised (fake quantization) and the inputs of weights with an activation format are
+    quantised-dequantised at run time."""
     w = weights or module.program.weights
+    device = module.compute.device
     own = module.state_dict()
     missing = sorted(set(own) - set(w.names()))
     if missing:
         raise KeyError(f"the weight store lacks {missing[:3]}")
-    module.load_state_dict({k: _dense(w.get(k)) for k in own}, strict=True, assign=True)
+    module.load_state_dict({k: _dense(w.get(k)).to(device) for k in own}, strict=True, assign=True)
     for n in module.program.nodes:
         for local, fmt in n.op.quant:
             act = QUANT_FORMATS[fmt][1]
             if act:
-                scale = w.get(f"{n.path}.{local.rsplit('.', 1)[0]}.input_scale")
+                scale = w.get(f"{n.path}.{local.rsplit('.', 1)[0]}.input_scale").to(device)
                 _quantize_input(module, f"{n.path}.{local.rsplit('.', 1)[0]}", act, scale)
     return module
 
@@ -122,11 +133,14 @@ def _quantize_input(root: nn.Module, path: str, fmt: str, scale: torch.Tensor) -
     root.get_submodule(path).register_forward_pre_hook(lambda m, args: (fake_quantize(args[0], fmt, scale),))
 
 
-def materialize(prog: Program, dtype: torch.dtype | None = None) -> ProgramModule:
-    """A runnable module with the program's weights (meta weights give a meta-device module)."""
+def materialize(prog: Program, dtype: torch.dtype | None = None, compute: Compute | None = None) -> ProgramModule:
+    """A runnable module with the program's weights (meta weights give a meta-device module), on
+    `compute`'s device, its forward in `compute`'s precision; `dtype` casts the weights themselves."""
+    compute = compute or CPU
     meta = prog.is_meta
-    m = ProgramModule(prog, device="meta" if meta else "cpu")
+    m = ProgramModule(prog, device="meta" if meta else compute.device)
     if not meta:
+        m.compute = compute  # its dtype too
         load_weights(m)
     if dtype is not None:
         m.to(dtype)

@@ -1,6 +1,7 @@
 """What every op kind provides: typed attributes, parameter shapes, states, checks and a torch module."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, fields
@@ -179,6 +180,14 @@ def positive(spec, *names) -> list[tuple[str, str]]:
 
 
 # -- shared torch pieces -------------------------------------------------------------------------
+def full_precision(x: torch.Tensor):
+    """Autocast off: a float32 section inside a mixed-precision forward (the SSM scan, MoE routing).
+    Nothing at all outside autocast, so that exported graphs stay plain."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(x.device.type, enabled=False)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, weight applied in float32, cast back (Nemotron-H convention)."""
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, positive
+from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, full_precision, positive
 
 
 @dataclass(frozen=True)
@@ -187,19 +187,20 @@ class Mamba2Mixer(nn.Module):
         new_conv = window[:, :, -(s.conv - 1):] if s.conv > 1 else conv_state
         xbc = F.silu(F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)).transpose(1, 2)
         x, B, C = xbc.split([s.inner, s.groups * s.state, s.groups * s.state], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=s.dt_min)
-        A = -torch.exp(self.A_log.float())
-        rep = s.heads // s.groups
-        x = x.reshape(b, t, s.heads, s.head_dim).float()
-        B = B.reshape(b, t, s.groups, s.state).float().repeat_interleave(rep, dim=2)
-        C = C.reshape(b, t, s.groups, s.state).float().repeat_interleave(rep, dim=2)
-        if decode:  # one token: the plain recurrence
-            x0, dt0, B0, C0 = x[:, 0], dt[:, 0], B[:, 0], C[:, 0]
-            decay = torch.exp(dt0 * A)[..., None, None]
-            ssm_state = ssm_state.float() * decay + (dt0[..., None] * x0)[..., None] * B0[:, :, None, :]
-            y = torch.einsum("bhpn,bhn->bhp", ssm_state, C0)[:, None]
-        else:
-            y, ssm_state = ssd_chunked(x, dt, A, B, C, s.chunk, ssm_state.float())
-        y = y + x * self.D.float()[:, None]
-        y = self.gated_norm(y.reshape(b, t, s.inner), z)
+        with full_precision(u):  # the scan and its state in float32, whatever the forward's precision
+            dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=s.dt_min)
+            A = -torch.exp(self.A_log.float())
+            rep = s.heads // s.groups
+            x = x.reshape(b, t, s.heads, s.head_dim).float()
+            B = B.reshape(b, t, s.groups, s.state).float().repeat_interleave(rep, dim=2)
+            C = C.reshape(b, t, s.groups, s.state).float().repeat_interleave(rep, dim=2)
+            if decode:  # one token: the plain recurrence
+                x0, dt0, B0, C0 = x[:, 0], dt[:, 0], B[:, 0], C[:, 0]
+                decay = torch.exp(dt0 * A)[..., None, None]
+                ssm_state = ssm_state.float() * decay + (dt0[..., None] * x0)[..., None] * B0[:, :, None, :]
+                y = torch.einsum("bhpn,bhn->bhp", ssm_state, C0)[:, None]
+            else:
+                y, ssm_state = ssd_chunked(x, dt, A, B, C, s.chunk, ssm_state.float())
+            y = y + x * self.D.float()[:, None]
+            y = self.gated_norm(y.reshape(b, t, s.inner), z)
         return self.out_proj(y.to(u.dtype)), (new_conv, ssm_state)

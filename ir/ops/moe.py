@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, positive, relu2
+from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, full_precision, positive, relu2
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,8 @@ class MoEMixer(nn.Module):
     def route(self, x):
         """x [n, hidden] -> (chosen expert ids [n, k], their weights [n, k]) in float32."""
         s = self.spec
-        scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
+        with full_precision(x):
+            scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
         chosen = torch.topk(scores + self.gate.e_score_correction_bias.float(), s.top_k, dim=-1).indices
         w = scores.gather(1, chosen)
         if s.norm_topk:

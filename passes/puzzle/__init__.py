@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from ..core import Pass, PassError, Preserved, register
+from ..core import ComputePass, PassError, Preserved, register
 from .build import LibrarySettings, build_library
 from .grid import DEFAULT_GRID, GridError, Variant, load_grid, variants
 from .importance import compute_importance
@@ -14,7 +14,7 @@ __all__ = ["DEFAULT_GRID", "GridError", "Library", "LibraryError", "LibrarySetti
 
 
 @register("importance")
-class Importance(Pass):
+class Importance(ComputePass):
     """Rank every prunable unit of every block by activation statistics on calibration text."""
 
     samples: int = 32
@@ -23,13 +23,14 @@ class Importance(Pass):
     minimum = {"samples": 1, "seq": 1}
 
     def run(self, prog, am):
-        imp = am.get("importance", samples=self.samples, seq=self.seq, data=tuple(self.data))
+        imp = am.get("importance", samples=self.samples, seq=self.seq, data=tuple(self.data),
+                     device=str(self.compute(am).device))
         am.reports["importance"] = {"layers": len(imp["layers"]), "tokens": imp["tokens"]}
         return Preserved.all()
 
 
 @register("library")
-class BuildLibrary(Pass):
+class BuildLibrary(ComputePass):
     """Build (or resume) the block library of the program in `out`: variants, BLD and scores."""
 
     out: str = ""
@@ -47,15 +48,16 @@ class BuildLibrary(Pass):
             raise PassError("pass 'library' needs out=DIR, the library directory")
         s = LibrarySettings(calib_windows=self.calib_windows, score_windows=self.score_windows, seq=self.seq,
                             bld_tokens=self.bld_tokens, bld_lr=self.bld_lr, data=list(self.data))
+        compute = self.compute(am)
         known = None if prog.is_meta else am.get("importance", samples=self.calib_windows, seq=self.seq,
-                                                   data=tuple(self.data))
-        lib = build_library(prog, self.out, self.grid or None, s, importance=known)
+                                                   data=tuple(self.data), device=str(compute.device))
+        lib = build_library(prog, self.out, self.grid or None, s, importance=known, compute=compute)
         am.reports["library"] = {"path": str(lib.path), "variants": len(lib.rows)}
         return Preserved.all()
 
 
 @register("puzzle")
-class Puzzle(Pass):
+class Puzzle(ComputePass):
     """Choose one library variant per layer that meets a deployment target, and put it in place.
 
     Inside repeat{n=N}(...), round i moves every constraint i/N of the way from the parent to the target
@@ -99,8 +101,11 @@ class Puzzle(Pass):
 
             st = lib.manifest["settings"]
             corpus = load_corpus(st["data"] or None)
-            ranks = am.get("importance", samples=st["calib_windows"], seq=st["seq"], data=tuple(st["data"]))["layers"]
-            scores = rescore(lib, prog, ranks, sequential_windows(corpus.valid, st["seq"] + 1, limit=st["score_windows"]))
+            compute = self.compute(am)
+            ranks = am.get("importance", samples=st["calib_windows"], seq=st["seq"], data=tuple(st["data"]),
+                           device=str(compute.device))["layers"]
+            windows = sequential_windows(corpus.valid, st["seq"] + 1, limit=st["score_windows"])
+            scores = rescore(lib, prog, ranks, windows, compute)
         search = Search(lib, parent, [(t, self.scenario) for t in self.target], self.recipe, self.metric, c,
                         scores=scores, fraction=i / n, schedule=self.schedule)
         plan = search.plan(self.method)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...backends.torch.device import CPU, Compute
 from ...ir.ops import OpSpec, RMSNorm
 from ...training import Schedule, fit
 
@@ -55,12 +56,15 @@ def block_module(spec: OpSpec, weights: dict) -> torch.nn.Module:
     return m.float()
 
 
-def nmse(block: torch.nn.Module, x: torch.Tensor, d: torch.Tensor, batch: int = 8) -> float:
-    """||block(x) - x - d||^2 / ||d||^2 over all windows."""
+def nmse(block: torch.nn.Module, x: torch.Tensor, d: torch.Tensor, batch: int = 8, compute: Compute = CPU) -> float:
+    """||block(x) - x - d||^2 / ||d||^2 over all windows (the block run in `compute`'s precision, the sums
+    in float32)."""
     err = ref = 0.0
     with torch.no_grad():
         for xb, db in zip(x.split(batch), d.split(batch)):
-            err += (block(xb)[0] - xb - db).pow(2).sum().item()
+            with compute.autocast():
+                y = block(xb)[0]
+            err += (y.float() - xb - db).pow(2).sum().item()
             ref += db.pow(2).sum().item()
     return err / max(ref, 1e-30)
 
@@ -74,7 +78,7 @@ def linear_fit(norm_weight: torch.Tensor, eps: float, x: torch.Tensor, d: torch.
         a = norm(x).reshape(-1, x.shape[-1]).double()
     b = d.reshape(-1, d.shape[-1]).double()
     gram = a.T @ a
-    gram += torch.eye(len(gram), dtype=gram.dtype) * (1e-6 * gram.trace() / len(gram))
+    gram += torch.eye(len(gram), dtype=gram.dtype, device=gram.device) * (1e-6 * gram.trace() / len(gram))
     return torch.linalg.solve(gram, a.T @ b).T.float()
 
 
@@ -84,14 +88,15 @@ def seed_of(*parts) -> int:
 
 
 def distill_block(block: torch.nn.Module, x: torch.Tensor, d: torch.Tensor, tokens: int, seed: int,
-                  lr: float = 1e-3, batch: int = 4) -> dict:
-    """Trains `block` in place on (x, d) for about `tokens` tokens (AdamW, 5% warmup, cosine).
+                  lr: float = 1e-3, batch: int = 4, compute: Compute = CPU) -> dict:
+    """Trains `block` in place on (x, d) for about `tokens` tokens (AdamW, 5% warmup, cosine), its forward
+    in `compute`'s precision (weights, optimizer state and the loss in float32).
 
     The last eighth of the windows is held back: unless training lowered the loss there by 10% (a slice
     that is already nearly exact gains nothing but noise), the starting weights are kept."""
     cut = len(x) - max(1, len(x) // 8)
     (x, hx), (d, hd) = x.split([cut, len(x) - cut]), d.split([cut, len(d) - cut])
-    before = nmse(block, hx, hd)
+    before = nmse(block, hx, hd, compute=compute)
     start = copy.deepcopy(block.state_dict())
     per_step = batch * x.shape[1]
     steps = max(1, -(-tokens // per_step))
@@ -99,13 +104,14 @@ def distill_block(block: torch.nn.Module, x: torch.Tensor, d: torch.Tensor, toke
     ref = d.pow(2).mean()
 
     def step_loss(step):
-        i = torch.randint(0, len(x), (batch,), generator=g)
-        y = block(x[i])[0] - x[i]
-        loss = (y - d[i]).pow(2).mean() / ref
+        i = torch.randint(0, len(x), (batch,), generator=g).to(x.device)
+        with compute.autocast():
+            y = block(x[i])[0]
+        loss = (y.float() - x[i] - d[i]).pow(2).mean() / ref
         return loss, {"nmse": loss.item()}
 
     fit(block, step_loss, Schedule(steps=steps, lr=lr, warmup=max(1, steps // 20)), rng=g, desc="bld")
-    trained = nmse(block, hx, hd) < 0.9 * before
+    trained = nmse(block, hx, hd, compute=compute) < 0.9 * before
     if not trained:
         block.load_state_dict(start)
     return {"steps": steps, "tokens": steps * per_step, "trained": trained}

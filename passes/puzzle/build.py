@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ...backends.torch.device import CPU, Compute
 from ...ir import Program, print_program
 from ...outputs import check_output, write_json
 from ...training import barrier, distributed
@@ -62,9 +63,10 @@ def _start(prog: Program, out: Path, settings: LibrarySettings, digest: str) -> 
 
 
 def build_library(prog: Program, out, grid_file=None, settings: LibrarySettings | None = None,
-                  progress: bool = False, importance: dict | None = None) -> Library:
+                  progress: bool = False, importance: dict | None = None, compute: Compute = CPU) -> Library:
     """Builds (or resumes) the library of `prog` in `out`; a meta program gives a weightless library.
-    `importance` (the analysis, on the settings' calibration windows) saves computing it again."""
+    `importance` (the analysis, on the settings' calibration windows) saves computing it again. The parent,
+    BLD and scoring run on `compute`'s device and precision (importance in float32)."""
     out = Path(out)
     settings = settings or LibrarySettings()
     settings.grid = settings.grid or load_grid(grid_file)
@@ -78,7 +80,7 @@ def build_library(prog: Program, out, grid_file=None, settings: LibrarySettings 
     barrier(world)
     weightless = prog.is_meta
     if not weightless:
-        _build_rows(prog, out, settings, [t for t in todo if t[0] % world == rank], progress, importance)
+        _build_rows(prog, out, settings, [t for t in todo if t[0] % world == rank], progress, importance, compute)
     barrier(world)
     if rank == 0:
         rows = []
@@ -92,16 +94,17 @@ def build_library(prog: Program, out, grid_file=None, settings: LibrarySettings 
     return Library.open(out)
 
 
-def _importance(prog: Program, out: Path, windows: torch.Tensor, known: dict | None) -> dict:
+def _importance(prog: Program, out: Path, windows: torch.Tensor, known: dict | None, compute: Compute) -> dict:
     f = out / "importance.json"
     if f.exists():
         return json.loads(f.read_text())
-    imp = known or compute_importance(prog, windows)
+    imp = known or compute_importance(prog, windows, compute=compute)
     write_json(f, imp)
     return imp
 
 
-def _build_rows(prog: Program, out: Path, s: LibrarySettings, todo: list, progress: bool, known: dict | None) -> None:
+def _build_rows(prog: Program, out: Path, s: LibrarySettings, todo: list, progress: bool, known: dict | None,
+                compute: Compute) -> None:
     from ...backends.torch import materialize
     from ...data import load_corpus, sequential_windows
 
@@ -110,9 +113,9 @@ def _build_rows(prog: Program, out: Path, s: LibrarySettings, todo: list, progre
     calib = sequential_windows(corpus.train, s.seq, limit=s.calib_windows)
     held_out = sequential_windows(corpus.valid, s.seq + 1, limit=s.score_windows)
     with clock("importance"):
-        ranks = _importance(prog, out, calib, known)["layers"]
+        ranks = _importance(prog, out, calib, known, compute)["layers"]
     with clock("parent activations"):
-        model = materialize(prog, dtype=torch.float32)
+        model = materialize(prog, dtype=torch.float32, compute=compute)
         train = block_activations(model, calib)
         valid = block_activations(model, held_out[:, :-1])
         scorer = Scorer(model, held_out, valid.inputs)
@@ -121,7 +124,8 @@ def _build_rows(prog: Program, out: Path, s: LibrarySettings, todo: list, progre
         weights = {k: v.float() for k, v in prog.node_weights(node).items()}
         for v in vs:
             if load_row(out, i, v.id) is None:
-                row, w = _variant(node, i, v, weights, ranks.get(node.path, {}), train, valid, scorer, s, clock)
+                row, w = _variant(node, i, v, weights, ranks.get(node.path, {}), train, valid, scorer, s, clock,
+                                  compute)
                 save_variant(out, i, v.id, w, row)
             bar.update(1)
     bar.close()
@@ -144,21 +148,21 @@ class Stopwatch:
 
 
 def _variant(node, i: int, v: Variant, weights: dict, ranks: dict, train, valid, scorer: Scorer,
-             s: LibrarySettings, clock: Stopwatch) -> tuple[dict, dict]:
+             s: LibrarySettings, clock: Stopwatch, compute: Compute) -> tuple[dict, dict]:
     """Initialises, trains (when it has something to learn) and scores one variant."""
     x, d, vx, vd = train.inputs[i], train.deltas[i], valid.inputs[i], valid.deltas[i]
     with clock("initialise"):
         spec, w, init = _initial(node, v, weights, ranks, x, d)
-        block = block_module(spec, w)
-        bld = {"initial_nmse": nmse(block, vx, vd), "trained": False}
+        block = block_module(spec, w).to(compute.device)
+        bld = {"initial_nmse": nmse(block, vx, vd, compute=compute), "trained": False}
     if v.steps:  # the parent is exact; noop has nothing to learn; linear starts at its least-squares optimum
         with clock("bld"):
-            bld.update(distill_block(block, x, d, s.bld_tokens, seed_of(i, v.id), s.bld_lr))
-    bld["final_nmse"] = nmse(block, vx, vd) if bld["trained"] else bld["initial_nmse"]
+            bld.update(distill_block(block, x, d, s.bld_tokens, seed_of(i, v.id), s.bld_lr, compute=compute))
+    bld["final_nmse"] = nmse(block, vx, vd, compute=compute) if bld["trained"] else bld["initial_nmse"]
     with clock("score"):
         scores = scorer.score(i, block)
     row = row_of(i, node.path, v, spec) | {"init": init, "bld": bld, "scores": scores}
-    return row, {k: t.detach() for k, t in block.state_dict().items()}
+    return row, {k: t.detach().cpu() for k, t in block.state_dict().items()}
 
 
 def _initial(node, v: Variant, weights: dict, ranks: dict, x, d):

@@ -67,14 +67,14 @@ def _moe_stats(mixer, h, acc: _Sums) -> None:
         mix = torch.zeros_like(scores).scatter(1, chosen, w * s.scaling)
         return torch.einsum("new,ne->nw", out, mix.to(out.dtype)), mix != 0
 
-    y, chosen = routed(torch.zeros(s.experts))
+    y, chosen = routed(torch.zeros(s.experts, device=scores.device))
     acc.add("routing", chosen.float().sum(0))
     acc.add("tokens", torch.tensor(float(flat.shape[0])))
     acc.add("d_ff", (a.abs() * chosen[..., None]).sum(0))  # [E, d_ff] over routed tokens
     acc.add("y2", y.pow(2).sum())
     damage = []
     for e in range(s.experts):
-        mask = torch.zeros(s.experts)
+        mask = torch.zeros(s.experts, device=scores.device)
         mask[e] = float("-inf")
         damage.append((routed(mask)[0] - y).pow(2).sum())
     acc.add("damage", torch.stack(damage))
@@ -153,11 +153,13 @@ def _hooks(node, mixer, acc: _Sums) -> list:
     return [mixer.register_forward_pre_hook(lambda m, a: fn(mixer, a[0], acc))]
 
 
-def compute_importance(prog: Program, windows: torch.Tensor, batch: int = 4) -> dict:
-    """{"layers": {path: {axis: ranks}}, "routing": {path: per-expert frequency}, "tokens": n}."""
+def compute_importance(prog: Program, windows: torch.Tensor, batch: int = 4, compute=None) -> dict:
+    """{"layers": {path: {axis: ranks}}, "routing": {path: per-expert frequency}, "tokens": n}. On
+    `compute`'s device, always in float32: statistics summed over many tokens decide close ranks."""
     from ...backends.torch import materialize
+    from ...backends.torch.device import CPU, Compute
 
-    model = materialize(prog)
+    model = materialize(prog, compute=Compute((compute or CPU).device))
     blocks = [n for n in prog.blocks() if n.op.axes()]
     accs = {n.path: _Sums() for n in blocks}
     handles = [h for n in blocks for h in _hooks(n, model.get_submodule(f"{n.path}.mixer"), accs[n.path])]
@@ -178,8 +180,10 @@ def compute_importance(prog: Program, windows: torch.Tensor, batch: int = 4) -> 
 
 
 @analysis("importance")
-def importance(prog: Program, am: AnalysisManager, samples: int = 32, seq: int = 256, data: tuple = ()) -> dict:
+def importance(prog: Program, am: AnalysisManager, samples: int = 32, seq: int = 256, data: tuple = (),
+               device: str = "cpu") -> dict:
     """Ranks of every prunable unit (see passes.puzzle.importance) on `samples` calibration windows."""
+    from ...backends.torch.device import resolve
     from ..quant import calibration_windows
 
-    return compute_importance(prog, calibration_windows(list(data), samples, seq, prog))
+    return compute_importance(prog, calibration_windows(list(data), samples, seq, prog), compute=resolve(device))

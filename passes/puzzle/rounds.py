@@ -63,15 +63,15 @@ def candidate_weights(lib: Library, row: dict, prog: Program, ranks: dict) -> di
     return w
 
 
-def rescore(lib: Library, prog: Program, ranks: dict, windows: torch.Tensor) -> dict[tuple, dict]:
+def rescore(lib: Library, prog: Program, ranks: dict, windows: torch.Tensor, compute=None) -> dict[tuple, dict]:
     """{(layer, id): scores} of every candidate, each put alone into the current model, on `windows`."""
     from ...backends.torch import materialize
 
-    model = materialize(prog, dtype=torch.float32)
+    model = materialize(prog, dtype=torch.float32, compute=compute)
     scorer = Scorer(model, windows, block_activations(model, windows[:, :-1]).inputs)
     out = {}
     for r in candidates(lib, prog):
-        block = block_module(lib.spec(r), candidate_weights(lib, r, prog, ranks))
+        block = block_module(lib.spec(r), candidate_weights(lib, r, prog, ranks)).to(model.compute.device)
         out[r["layer"], r["id"]] = scorer.score(r["layer"], block)
     return out
 

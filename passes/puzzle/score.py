@@ -20,7 +20,7 @@ class Scorer:
         self.blocks = [model.get_submodule(n.path) for n in model.program.blocks()]
         self.norm = model.get_submodule(model.program.find("norm")[0].path)
         self.head = model.get_submodule(model.program.find("lm_head")[0].path)
-        self.targets = windows[:, 1:]
+        self.targets = windows[:, 1:].to(model.compute.device)
         self.inputs = inputs
         with torch.no_grad():
             self.parent = [F.log_softmax(self._logits(0, self.blocks[0], s), -1) for s in self._slices()]
@@ -29,10 +29,11 @@ class Scorer:
         return [slice(i, i + self.batch) for i in range(0, len(self.targets), self.batch)]
 
     def _logits(self, layer: int, block, rows: slice) -> torch.Tensor:
-        x = block(self.inputs[layer][rows])[0]
-        for b in self.blocks[layer + 1:]:
-            x = b(x)[0]
-        return self.head(self.norm(x)).float()
+        with self.model.compute.autocast():  # the model's precision; the scores in float32
+            x = block(self.inputs[layer][rows])[0]
+            for b in self.blocks[layer + 1:]:
+                x = b(x)[0]
+            return self.head(self.norm(x)).float()
 
     @torch.no_grad()
     def score(self, layer: int, block) -> dict:

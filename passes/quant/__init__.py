@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from ..core import Pass, PassError, Preserved, register
+from ..core import ComputePass, PassError, Preserved, register
 from ..manager import progress
 from .calibrate import activation_amax, input_scale, quantize_weight
 from .export import quantize_checkpoint
@@ -49,7 +49,7 @@ def calibration_windows(data: list[str], samples: int, seq: int, prog=None) -> t
 
 
 @register("quantize")
-class Quantize(Pass):
+class Quantize(ComputePass):
     """Quantise weights (and calibrate static activation scales) by a recipe; report KL to the original."""
 
     recipe: str = "fp8"
@@ -73,7 +73,8 @@ class Quantize(Pass):
         if prog.is_meta:
             raise PassError("quantize needs real weights; this program has meta tensors only")
         windows = calibration_windows(self.data, self.samples, self.seq, prog)
-        teacher = materialize(prog)
+        compute = self.compute(am)  # calibration and the report's KL
+        teacher = materialize(prog, compute=compute)
         act_modules = [f"{path}.{local.rsplit('.', 1)[0]}" for path, params in plan.items()
                        for local, fmt in params.items() if FORMATS[fmt][1]]
         amax = activation_amax(teacher, act_modules, windows.split(4)) if act_modules else {}
@@ -89,7 +90,7 @@ class Quantize(Pass):
                     new[f"{local.rsplit('.', 1)[0]}.input_scale"] = input_scale(amax[module], act)
             prog.rewrite(node, op=node.op.replace(quant=dict(node.op.quant) | params), weights=new)
         report = {"recipe": self.recipe, "calib": self.calib.value, "weights": sum(len(p) for p in plan.values()),
-                  **teacher_agreement(teacher, materialize(prog), windows)}
+                  **teacher_agreement(teacher, materialize(prog, compute=compute), windows)}
         am.reports["quantize"] = report
         print(f"quantize{{recipe={self.recipe}}}: {report['weights']} weights; KL to the original "
               f"{report['kl']:.5f} nats/token, top-1 agreement {report['top1_agreement']:.4f}", file=sys.stderr)

@@ -54,7 +54,7 @@ def quantize_weight(w: torch.Tensor, fmt: str, method: str = "amax", name: str =
 
 def input_scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
     """The static activation scale: amax / 448 for FP8, the global scale amax / (6 * 448) for NVFP4."""
-    amax = torch.as_tensor(amax, dtype=torch.float32).clamp(min=1e-12)
+    amax = torch.as_tensor(amax, dtype=torch.float32).cpu().clamp(min=1e-12)  # stored with the weights
     return (amax / FP8_MAX if fmt == "fp8" else amax / (6.0 * FP8_MAX)).reshape(())
 
 

@@ -1,0 +1,88 @@
+"""Where and in what precision the torch backend computes: `--device auto|cpu|cuda|cuda:N` and `--dtype
+auto|float32|bfloat16|float16`.
+
+Mixed precision as training code in this field does it: weights (the master copy) and optimizer state keep
+their stored dtype, the forward runs under autocast in the compute dtype, and the losses, the Mamba SSM state
+and its scan, and MoE routing stay in float32 (`ir.ops.base.full_precision`). Nothing here touches CUDA at import time.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import UsageError
+
+DEVICES = "auto, cpu, cuda or cuda:N"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DeviceError(UsageError):
+    """The device or dtype asked for does not exist here."""
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A device and the dtype the forward computes in (float32: no autocast)."""
+
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+
+    def autocast(self):
+        """The forward's precision: autocast to `dtype`, or nothing at float32."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def synchronize(self) -> None:
+        """Waits for the device's queued work (timing on a GPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __str__(self) -> str:
+        return f"{self.device}/{str(self.dtype).removeprefix('torch.')}"
+
+
+CPU = Compute()
+
+
+def resolve(device: str | None = "auto", dtype: str | None = "auto") -> Compute:
+    """`auto` picks CUDA when it is available (under torchrun, the rank's own `cuda:LOCAL_RANK`), and then
+    bfloat16; on CPU float32. An explicit CUDA device on a machine without one is refused."""
+    device, dtype = device or "auto", dtype or "auto"
+    if device == "auto":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise DeviceError(f"--device {device!r} is not a device; use {DEVICES}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise DeviceError(f"--device {device!r}: puzzlekit computes on {DEVICES}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"--device {device}: CUDA is not available here (torch {torch.__version__}, "
+                              f"CUDA build: {torch.version.cuda or 'no'}); use --device cpu or auto")
+        if dev.index is None:
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if dev.index >= torch.cuda.device_count():
+            raise DeviceError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls (the losses' inputs) on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    if dtype == "auto":
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    elif dtype in DTYPES:
+        dt = DTYPES[dtype]
+    else:
+        raise DeviceError(f"--dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+    if dt == torch.float16 and dev.type == "cpu":
+        raise DeviceError("--dtype float16 computes on CUDA only; on CPU use bfloat16 or float32")
+    return Compute(dev, dt)
+
+
+def add_arguments(parser) -> None:
+    """`--device` and `--dtype` for a command that computes."""
+    parser.add_argument("--device", default="auto", help=f"{DEVICES} (auto: CUDA when available)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="compute dtype of the forward (auto: bfloat16 on CUDA, float32 on CPU)")

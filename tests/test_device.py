@@ -1,0 +1,144 @@
+"""Devices and precision: `--device/--dtype` on every command that computes, mixed precision (bf16 autocast,
+float32 master weights, losses and SSM state) against float32 at bf16 tolerances, and distributed failures
+that end every rank. All on CPU: bf16 autocast runs there too."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from puzzlekit.backends.torch import materialize
+from puzzlekit.backends.torch.device import CPU, DeviceError, resolve
+from puzzlekit.tools.cli import main
+from puzzlekit.tools.default_model import load_default
+
+BF16 = resolve("cpu", "bfloat16")
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+
+
+@pytest.fixture(scope="module")
+def parent():
+    return load_default()
+
+
+def test_auto_is_float32_on_cpu_and_bad_devices_are_refused():
+    assert resolve() == CPU and resolve("cpu", "bfloat16").dtype == torch.bfloat16
+    for device, dtype, match in [("tpu", "auto", "auto, cpu, cuda or cuda:N"), ("cpu", "float16", "CUDA only"),
+                                 ("cpu", "int8", "--dtype 'int8'"), ("gpu0", "auto", "is not a device")]:
+        with pytest.raises(DeviceError, match=match):
+            resolve(device, dtype)
+
+
+@no_cuda
+@pytest.mark.parametrize("argv", [
+    ["eval", "--device", "cuda"], ["generate", "--prompt", "x", "--device", "cuda"],
+    ["train", "-o", "{tmp}/t", "--device", "cuda"], ["library", "-o", "{tmp}/l", "--device", "cuda"],
+    ["compress", "-o", "{tmp}/c", "--max-params", "1e6", "--device", "cuda"],
+    ["cost", "--target", "cpu", "--device", "cuda"], ["run", "-p", "verify", "-o", "{tmp}/r", "--device", "cuda"],
+    ["build-engine", "--target", "h100", "-o", "{tmp}/b", "--device", "cuda:0"],
+    ["run", "-p", "snapshot{name=teacher},distill{steps=1,device=cuda}", "-o", "{tmp}/p"],  # a pass's own option
+], ids=lambda a: " ".join(a[:3]))
+def test_cuda_on_a_machine_without_it_is_a_usage_error_naming_cuda(argv, tmp_path, capsys):
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    assert "CUDA is not available here" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before any work
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 0.02) -> None:
+    """Within `rel` of the reference's norm: bf16 keeps about 3 significant digits per op, and a dozen
+    blocks compound them (measured here: 0.4% for the trunk's logits, 1% for the MTP head's)."""
+    err, scale = (got.float() - want).norm().item(), want.norm().item()
+    assert scale > 0.1 and err <= rel * scale, (err, scale)
+
+
+def test_bf16_forward_matches_float32_at_bf16_tolerance_and_keeps_state_dtypes(parent):
+    ids = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(0))  # 70: several Mamba chunks
+    ref, bf = materialize(parent), materialize(parent, compute=BF16)
+    (l32, m32), s32 = ref.prefill(ids)
+    (l16, m16), s16 = bf.prefill(ids)
+    assert l16.dtype == torch.bfloat16 and next(bf.parameters()).dtype == torch.float32  # master weights stay
+    _close(l16, l32)
+    _close(m16, m32)
+    for name, a, b in zip(bf.state_names, s32, s16):
+        if name.endswith("ssm"):
+            assert b.dtype == torch.float32, name  # the SSM state and its scan in float32
+    (d32, _), _ = ref.decode(ids[:, -1], s32)
+    (d16, _), _ = bf.decode(ids[:, -1], s16)
+    _close(d16, d32)
+
+
+def test_eval_in_bf16_gives_bits_per_byte_within_3_percent_of_float32(capsys):
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        assert main(["eval", "--windows", "8", "--prompts", "2", "--new-tokens", "8", "--dtype", dtype, "--json"]) == 0
+        runs[dtype] = json.loads(capsys.readouterr().out)
+    assert runs["bfloat16"]["compute"] == "cpu/bfloat16"
+    a, b = runs["float32"]["bits_per_byte"], runs["bfloat16"]["bits_per_byte"]
+    assert abs(a - b) <= 0.03 * a
+
+
+def test_a_bf16_bld_variant_lowers_its_loss_as_float32_does(parent):
+    from puzzlekit.passes.puzzle.bld import block_activations, block_module, distill_block, nmse
+    from puzzlekit.passes.puzzle.grid import Variant
+    from puzzlekit.passes.puzzle.importance import compute_importance
+    from puzzlekit.passes.puzzle.library import slice_variant
+
+    ids = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(1))
+    act = block_activations(materialize(parent), ids)
+    node = parent.blocks()[0]  # a Mamba layer, with half its heads
+    ranks = compute_importance(parent, ids)["layers"][node.path]
+    spec, w = slice_variant(node.op, {k: v.float() for k, v in parent.node_weights(node).items()},
+                            Variant((("heads", node.op.heads // 2),)), ranks)
+    final = {}
+    for compute in (CPU, BF16):
+        block = block_module(spec, w)
+        before = nmse(block, act.inputs[0], act.deltas[0], compute=compute)
+        distill_block(block, act.inputs[0], act.deltas[0], tokens=8192, seed=0, lr=3e-3, compute=compute)
+        final[compute.dtype] = nmse(block, act.inputs[0], act.deltas[0], compute=compute)
+        assert final[compute.dtype] < 0.9 * before
+        assert all(p.dtype == torch.float32 for p in block.parameters())
+    assert final[torch.bfloat16] <= 1.5 * final[torch.float32] + 1e-3
+
+
+def test_bf16_distillation_lowers_the_kl_as_float32_does(parent):
+    from puzzlekit.passes import PassManager
+    from puzzlekit.passes.distill import Distill, distill
+
+    child = parent.copy()
+    PassManager("set-topk{k=1},drop-blocks{layers=[2]}").run(child)  # a child to recover
+    after = {}
+    for compute in (CPU, BF16):
+        d = Distill(steps=20, batch=4, seq=64, eval_every=10, eval_windows=4, lr=1e-3)
+        rep = distill(child.copy(), parent, d, compute=compute)
+        assert rep["after"]["kl"] < 0.8 * rep["before"]["kl"], rep
+        after[compute.dtype] = rep["after"]["kl"]
+    assert after[torch.bfloat16] <= 1.5 * after[torch.float32]
+
+
+PLUGIN = """
+import os
+import torch
+from puzzlekit.passes.distill import register_loss
+
+@register_loss("nan-on-rank-1")
+def nan_on_rank_1(b):
+    zero = b.student.logits.float().sum() * 0
+    return zero + (float("nan") if os.environ.get("RANK") == "1" else 0.0)
+"""
+
+
+def test_a_rank_whose_loss_diverges_ends_the_run_on_both(tmp_path):
+    (tmp_path / "rank_plugin.py").write_text(PLUGIN)
+    pipe = "snapshot{name=teacher},distill{steps=4,batch=4,seq=16,eval_windows=1,loss=[nan-on-rank-1]}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        "29547", "-m", "puzzlekit.tools", "run", "--plugin", "rank_plugin", "-p", pipe,
+                        "-o", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode != 0
+    assert p.stderr.count("training diverged at step 1") == 2, p.stderr[-3000:]  # each rank says so, and ends
+    assert "not finite on another rank" in p.stderr
+    assert not (tmp_path / "out").exists()
