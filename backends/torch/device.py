@@ -80,9 +80,3 @@ def resolve(device: str | None = "auto", dtype: str | None = "auto") -> Compute:
         raise DeviceError("--dtype float16 computes on CUDA only; on CPU use bfloat16 or float32")
     return Compute(dev, dt)
 
-
-def add_arguments(parser) -> None:
-    """`--device` and `--dtype` for a command that computes."""
-    parser.add_argument("--device", default="auto", help=f"{DEVICES} (auto: CUDA when available)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                        help="compute dtype of the forward (auto: bfloat16 on CUDA, float32 on CPU)")

@@ -263,8 +263,7 @@ class Search:
         if not self.c.speedup:
             return [[1] * len(self.models)]
         base = [b.max_batch or 1 for b in self.base]
-        options = [sorted({max(1, min(self.MAX_BATCH, math.ceil(min(self.c.speedup * b, self.MAX_BATCH)))), b})
-                   for b in base]
+        options = [sorted({max(1, math.ceil(min(self.c.speedup * b, self.MAX_BATCH))), b}) for b in base]
         return [list(x) for x in np.array(np.meshgrid(*options)).T.reshape(-1, len(self.models))]
 
     def plan(self, method: str = "mip", alternatives: int = 1, min_distance: int = 1,
