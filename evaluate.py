@@ -23,7 +23,7 @@ def check_finite(values, what: str, model=None):
     finite = torch.isfinite(values).all() if isinstance(values, torch.Tensor) else np.isfinite(values).all()
     if finite:
         return values
-    if not isinstance(model, torch.nn.Module):
+    if not hasattr(model, "named_parameters"):
         cause = "its weights may hold NaN/inf"
     elif bad := [n for n, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]:
         cause = f"its weights hold NaN/inf ({', '.join(bad[:3])}{f' and {len(bad) - 3} more' if len(bad) > 3 else ''})"
@@ -38,8 +38,7 @@ def _batches(windows: torch.Tensor, batch: int):
         yield windows[i:i + batch]
 
 
-def _outputs(model, ids, who: str = ""):
-    out = model(ids)
+def _checked(out, model, who: str):
     out = out if isinstance(out, tuple) else (out, None)
     for name, t in zip(("logits", "MTP logits"), out):
         if t is not None:
@@ -47,12 +46,28 @@ def _outputs(model, ids, who: str = ""):
     return out
 
 
+def _outputs(model, ids, who: str = ""):
+    return _checked(model(ids), model, who)
+
+
+def _forward(model, windows: torch.Tensor, batch: int, who: str = ""):
+    """(ids, logits, MTP logits or None) per batch of windows. A streamed model (backends.torch.stream)
+    runs all the windows through one layer before reading the next."""
+    if not hasattr(model, "outputs"):
+        for ids in _batches(windows, batch):
+            yield ids, *_outputs(model, ids, who)
+        return
+    for rows, out in model.outputs(windows, batch):
+        vals = tuple(out.values())
+        yield windows[rows], *_checked(vals if len(vals) > 1 else vals[0], model, who)
+
+
 @torch.no_grad()
 def bits_per_byte(model, windows: torch.Tensor, batch: int = 8) -> float:
     """Mean next-byte cross-entropy in bits over every position of byte-level windows [n, T]."""
     total, count = 0.0, 0
-    for ids in _batches(windows, batch):
-        logits = _outputs(model, ids)[0][:, :-1]
+    for ids, logits, _ in _forward(model, windows, batch):
+        logits = logits[:, :-1]
         total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1).to(logits.device),
                                  reduction="sum").item()
         count += ids[:, 1:].numel()
@@ -70,9 +85,9 @@ def unigram_bits_per_byte(train: np.ndarray, windows: torch.Tensor) -> float:
 def teacher_agreement(teacher, student, windows: torch.Tensor, batch: int = 8) -> dict:
     """KL(teacher || student) of the next-token distributions (nats per token) and top-1 agreement."""
     kl, agree, count = 0.0, 0, 0
-    for ids in _batches(windows, batch):
-        t = F.log_softmax(_outputs(teacher, ids, " (teacher)")[0].float(), -1)
-        s = F.log_softmax(_outputs(student, ids, " (student)")[0].float(), -1)
+    for (ids, t, _), (_, s, _) in zip(_forward(teacher, windows, batch, " (teacher)"),
+                                      _forward(student, windows, batch, " (student)")):
+        t, s = F.log_softmax(t.float(), -1), F.log_softmax(s.float(), -1)
         kl += (t.exp() * (t - s)).sum().item()
         agree += (t.argmax(-1) == s.argmax(-1)).sum().item()
         count += ids.numel()
@@ -86,8 +101,7 @@ def mtp_accuracy(model, windows: torch.Tensor, batch: int = 8) -> float:
     Position 0 (which sees a zero trunk state) is left out.
     """
     hit, count = 0, 0
-    for ids in _batches(windows, batch):
-        mtp = _outputs(model, ids)[1]
+    for ids, _, mtp in _forward(model, windows, batch):
         if mtp is None:
             raise ValueError("the model has no MTP head")
         hit += (mtp[:, 1:-1].argmax(-1).cpu() == ids[:, 2:]).sum().item()

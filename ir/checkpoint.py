@@ -22,7 +22,7 @@ from .hf_fields import (MAX_LAYERS, check_fields, check_supported, kinds_of, nee
 from . import nemotron_h_puzzle as puzzle
 from .quant import modelopt
 from .verifier import problems
-from .weights import WeightStore, lazy_tensors, loads_strict
+from .weights import WeightStore, lazy_tensors, loads_strict, stored_tensors
 
 #: puzzlekit's extended form: every block kind, our attribute names (no serving engine reads it)
 EXTENDED = "puzzlekit_nemotron_h"
@@ -494,16 +494,6 @@ def config_of(prog: Program, extended: bool = False) -> dict:
     return configs(prog, extended)[0]
 
 
-def _stored_tensors(name: str, value) -> dict:
-    """A weight as the serving layout stores it: quantised ones as values + `_scale` (+ `_scale_2`)."""
-    if isinstance(value, torch.Tensor):
-        return {name: value.contiguous()}
-    out = {name: value.data.contiguous(), name + "_scale": value.scale.contiguous()} if value.format == "fp8" else {
-        name: value.data.contiguous(), name + "_scale": value.block_scale.contiguous(),
-        name + "_scale_2": value.global_scale.reshape(()).contiguous()}
-    return out
-
-
 def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
          extended: bool = False) -> Path:
     """Writes config.json (+ hf_quant_config.json) + safetensors (sharded with an index past
@@ -547,7 +537,7 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
             for i, shard in enumerate(shards):
                 tensors = {}
                 for k in shard:
-                    tensors.update(_stored_tensors(k, w.get(k)))
+                    tensors.update(stored_tensors(k, w.get(k)))
                 weight_map.update(dict.fromkeys(tensors, fname(i)))
                 save_file(tensors, str(tmp / fname(i)), metadata={"format": "pt"})
             if len(shards) > 1:

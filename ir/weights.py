@@ -168,6 +168,16 @@ def lazy_tensors(file: Path) -> dict[str, _Lazy]:
     return entries
 
 
+def stored_tensors(name: str, value) -> dict:
+    """A weight as a checkpoint stores it: quantised ones as values + `_scale` (+ `_scale_2`)."""
+    if isinstance(value, torch.Tensor):
+        return {name: value.contiguous()}
+    if value.format == "fp8":
+        return {name: value.data.contiguous(), name + "_scale": value.scale.contiguous()}
+    return {name: value.data.contiguous(), name + "_scale": value.block_scale.contiguous(),
+            name + "_scale_2": value.global_scale.reshape(()).contiguous()}
+
+
 class WeightStore:
     """Tensors by their stable (Hugging Face) name. Lazy entries are read from their file on each use
     (plain reads of just their bytes, so memory stays bounded by the tensors in use)."""
@@ -210,6 +220,33 @@ class WeightStore:
         if not isinstance(e, _Lazy):
             raise TypeError(f"{name!r} is not a lazy tensor")
         self._entries[name] = dataclasses.replace(e, dtype=dtype, stored=e.stored or e.dtype)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the weights held in memory (new tensors, quantised or trained ones; not lazy or meta)."""
+        return sum(self.nbytes(k) for k in self._in_memory())
+
+    def _in_memory(self) -> list[str]:
+        return [k for k, e in self._entries.items() if not isinstance(e, (_Lazy, _LazyQuant, Deferred))
+                and not (isinstance(e, torch.Tensor) and e.is_meta)]
+
+    def spill_over(self, limit: int) -> None:
+        """When the weights held in memory pass `limit` bytes, writes them to one scratch safetensors file
+        (puzzlekit.memory) and reads them from there from now on, as a checkpoint's are."""
+        names = self._in_memory()
+        if sum(self.nbytes(k) for k in names) <= limit:
+            return
+        from safetensors.torch import save_file
+
+        from ..memory import scratch_file
+
+        f, tensors = scratch_file(".safetensors"), {}
+        for k in names:
+            tensors.update(stored_tensors(k, self._entries[k]))
+        save_file(tensors, str(f))
+        formats = {k: (self._entries[k].format, self._entries[k].dtype) for k in names if self.is_quantized(k)}
+        self.update(lazy_tensors(f))
+        for k, (fmt, dtype) in formats.items():
+            self.group_quantized(k, fmt, dtype)
 
     def delete(self, name: str) -> None:
         del self._entries[name]

@@ -21,30 +21,29 @@ def routing_stats(prog: Program, am: AnalysisManager, samples: int = 16, seq: in
     measured on held-out text."""
     import torch
 
-    from ..backends.torch import materialize
+    from ..backends.torch.stream import StreamedProgram
     from .quant import calibration_windows
 
     if samples < 1 or seq < 1:
         raise PassError(f"routing analysis: samples={samples} and seq={seq} must both be >= 1")
-    model = materialize(prog)
     counts: dict[str, torch.Tensor] = {}
-    hooks = []
-    for path, m in model.named_modules():
-        if hasattr(m, "route"):
-            def hook(mod, args, out, path=path):
-                chosen = out[0]
-                c = torch.bincount(chosen.reshape(-1), minlength=mod.spec.experts).float() / chosen.shape[0]
-                counts[path] = counts.get(path, 0) + c
-            hooks.append(_wrap_route(m, hook))
-    batches = list(calibration_windows([], samples, seq, prog).split(4))
-    try:
-        with torch.no_grad():
-            for ids in batches:
-                model(ids)
-    finally:
-        for undo in hooks:
-            undo()
-    return {p.removesuffix(".mixer"): (c / len(batches)).tolist() for p, c in counts.items()}
+
+    def attach(node, module):  # one layer at a time (backends.torch.stream): the model need not fit in memory
+        undo = []
+        for sub, m in module.named_modules():
+            if hasattr(m, "route"):
+                def hook(mod, args, out, path=f"{node.path}.{sub}"):
+                    chosen = out[0]
+                    c = torch.bincount(chosen.reshape(-1), minlength=mod.spec.experts).float() / chosen.shape[0]
+                    counts[path] = counts.get(path, 0) + c
+                undo.append(_wrap_route(m, hook))
+        return (lambda: [u() for u in undo]) if undo else None
+
+    windows = calibration_windows([], samples, seq, prog)
+    for _ in StreamedProgram(prog).outputs(windows, 4, attach=attach):
+        pass
+    batches = -(-len(windows) // 4)
+    return {p.removesuffix(".mixer"): (c / batches).tolist() for p, c in counts.items()}
 
 
 def _wrap_route(mixer, hook):

@@ -94,7 +94,7 @@ class ComputePass(Pass):
     def compute(self, am: AnalysisManager):
         from ..backends.torch.device import resolve
 
-        return resolve(self.device or am.device, self.dtype or am.dtype)
+        return resolve(self.device or am.device, self.dtype or am.dtype, am.max_memory)
 
 
 PASSES: dict[str, type[Pass]] = {}
@@ -178,6 +178,7 @@ class AnalysisManager:
         self.instrument = None
         self.round = (1, 1)  # (i, n) inside the i-th of n iterations of repeat{n=...}
         self.device, self.dtype = "auto", "auto"  # the pipeline's, for passes that compute (ComputePass)
+        self.max_memory = ""  # the pipeline's memory budget (puzzlekit.memory); "" : the default
 
     def get(self, name: str, **options):
         if name not in ANALYSES:

@@ -29,11 +29,12 @@ class PassManager:
     """Runs passes in order over one Program, sharing an AnalysisManager between them."""
 
     def __init__(self, passes: list[Pass] | str, instrument: Instrumentation | None = None, device: str = "auto",
-                 dtype: str = "auto"):
-        """`device` and `dtype`: where passes that compute run, unless a pass's own options say otherwise."""
+                 dtype: str = "auto", max_memory: str = ""):
+        """`device` and `dtype`: where passes that compute run, unless a pass's own options say otherwise;
+        `max_memory`: their memory budget (puzzlekit.memory)."""
         self.passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
         self.instrument = instrument or Instrumentation()
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.max_memory = device, dtype, max_memory
 
     @property
     def pipeline(self) -> str:
@@ -42,7 +43,7 @@ class PassManager:
     def run(self, prog: Program, am: AnalysisManager | None = None) -> AnalysisManager:
         am = am or AnalysisManager(prog)
         am.instrument, am.manager = self.instrument, self
-        am.device, am.dtype = self.device, self.dtype
+        am.device, am.dtype, am.max_memory = self.device, self.dtype, self.max_memory
         self._run_list(self.passes, prog, am, [])
         return am
 

@@ -15,12 +15,13 @@ from .distill import teacher_program
 
 
 def acceptance(prog, prompts, drafts: int, new_tokens: int, compute=None) -> float:
-    from ..backends.torch import materialize
+    from ..backends.torch.device import CPU
+    from ..backends.torch.stream import StreamedProgram
     from ..evaluate import acceptance_length
 
     if not prog.find("mtp"):
         raise PassError("mtp-check: the model has no MTP head")
-    return acceptance_length(materialize(prog, compute=compute), prompts, drafts, new_tokens)
+    return acceptance_length(StreamedProgram(prog, compute or CPU), prompts, drafts, new_tokens)
 
 
 @register("mtp-check")

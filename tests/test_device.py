@@ -82,13 +82,16 @@ def test_eval_in_bf16_gives_bits_per_byte_within_3_percent_of_float32(capsys):
 
 
 def test_a_bf16_bld_variant_lowers_its_loss_as_float32_does(parent):
-    from puzzlekit.passes.puzzle.bld import block_activations, block_module, distill_block, nmse
+    from puzzlekit.backends.torch.stream import StreamedProgram
+    from puzzlekit.passes.puzzle.bld import block_module, distill_block, nmse
     from puzzlekit.passes.puzzle.grid import Variant
     from puzzlekit.passes.puzzle.importance import compute_importance
     from puzzlekit.passes.puzzle.library import slice_variant
+    from puzzlekit.passes.puzzle.score import sweep_inputs
 
     ids = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(1))
-    act = block_activations(materialize(parent), ids)
+    inputs = sweep_inputs(StreamedProgram(parent), ids)
+    x, d = inputs(0), inputs(1) - inputs(0)
     node = parent.blocks()[0]  # a Mamba layer, with half its heads
     ranks = compute_importance(parent, ids)["layers"][node.path]
     spec, w = slice_variant(node.op, {k: v.float() for k, v in parent.node_weights(node).items()},
@@ -96,9 +99,9 @@ def test_a_bf16_bld_variant_lowers_its_loss_as_float32_does(parent):
     final = {}
     for compute in (CPU, BF16):
         block = block_module(spec, w)
-        before = nmse(block, act.inputs[0], act.deltas[0], compute=compute)
-        distill_block(block, act.inputs[0], act.deltas[0], tokens=8192, seed=0, lr=3e-3, compute=compute)
-        final[compute.dtype] = nmse(block, act.inputs[0], act.deltas[0], compute=compute)
+        before = nmse(block, x, d, compute=compute)
+        distill_block(block, x, d, tokens=8192, seed=0, lr=3e-3, compute=compute)
+        final[compute.dtype] = nmse(block, x, d, compute=compute)
         assert final[compute.dtype] < 0.9 * before
         assert all(p.dtype == torch.float32 for p in block.parameters())
     assert final[torch.bfloat16] <= 1.5 * final[torch.float32] + 1e-3

@@ -16,11 +16,12 @@ from puzzlekit import ir
 from puzzlekit.backends.torch import materialize
 from puzzlekit.data import load_corpus, sequential_windows
 from puzzlekit.passes.puzzle import GridError, Library, LibraryError, LibrarySettings, build_library, load_grid
-from puzzlekit.passes.puzzle.bld import block_activations, block_module, linear_fit, nmse
+from puzzlekit.backends.torch.stream import StreamedProgram
+from puzzlekit.passes.puzzle.bld import block_module, linear_fit, nmse
 from puzzlekit.passes.puzzle.grid import Variant, variants
 from puzzlekit.passes.puzzle.importance import compute_importance
 from puzzlekit.passes.puzzle.library import slice_variant
-from puzzlekit.passes.puzzle.score import Scorer
+from puzzlekit.passes.puzzle.score import Scorer, sweep_inputs
 from puzzlekit.tools.cli import main
 from puzzlekit.tools.default_model import config_path, model_path
 
@@ -133,8 +134,8 @@ def test_importance_order_beats_random_order(parent):
     calib = sequential_windows(corpus.train, 128, limit=16)
     held = sequential_windows(corpus.valid, 129, limit=4)
     ranks = compute_importance(parent, calib)["layers"]
-    model = materialize(parent)
-    scorer = Scorer(model, held, block_activations(model, held[:, :-1]).inputs)
+    stream = StreamedProgram(parent)
+    scorer = Scorer(stream, held, sweep_inputs(stream, held[:, :-1]))
     g = torch.Generator().manual_seed(0)
     cases = [(0, "heads", 4), (1, "d_ff", 64), (3, "q_heads", 2), (6, "d_ff", 128), (9, "state", 32), (11, "experts", 4)]
     ours, theirs = [], []
@@ -160,11 +161,10 @@ def test_importance_order_beats_random_order(parent):
 def test_least_squares_linear_beats_the_weight_product(parent):
     """The `linear` replacement of the MLP layer: a fit on activations against W_down @ W_up."""
     calib = sequential_windows(load_corpus(None).train, 128, limit=16)
-    model = materialize(parent)
-    act = block_activations(model, calib)
+    inputs = sweep_inputs(StreamedProgram(parent), calib)
     node = parent.blocks()[6]
     w = parent.node_weights(node)
-    x, d = act.inputs[6], act.deltas[6]
+    x, d = inputs(6), inputs(7) - inputs(6)
     fitted = linear_fit(w["norm.weight"], node.op.eps, x, d)
     anchor = w["mixer.down_proj.weight"] @ w["mixer.up_proj.weight"]
     err = {name: nmse(block_module(ir.ops.Linear(128), {"norm.weight": w["norm.weight"], "mixer.linear.weight": m}), x, d)

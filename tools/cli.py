@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..errors import PuzzlekitError, UsageError
+from ..memory import return_freed_memory
 from ..outputs import OutputError, check_output
 from .puzzle import add_parser as add_library_parser
 from .puzzle import EXTENDED_HELP, add_plan_parser
@@ -55,13 +56,16 @@ def add_compute_arguments(parser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="the forward's precision (auto: bfloat16 on CUDA, float32 on CPU); weights, optimizer "
                              "state and losses stay float32")
+    parser.add_argument("--max-memory", default="", metavar="SIZE",
+                        help="host memory for weights and activations, e.g. 24GB (default: half of what is available); "
+                             "a larger model is run layer by layer from its checkpoint")
 
 
 def compute_of(args):
     """The command's device and precision, refused here (exit 2) when this machine has no such device."""
     from ..backends.torch.device import resolve
 
-    return resolve(args.device, args.dtype)
+    return resolve(args.device, args.dtype, args.max_memory)
 
 
 def _emit(args, data: dict, text: str) -> None:
@@ -167,7 +171,7 @@ def _run(args) -> int:
     ins = Instrumentation(verify_each=args.verify_each, print_ir_after=args.print_ir_after,
                           progress=not args.json and sys.stderr.isatty())
     before = prog.param_counts()
-    pm = PassManager(passes, ins, args.device, args.dtype)
+    pm = PassManager(passes, ins, args.device, args.dtype, args.max_memory)
     pm.run(prog)
     if int(os.environ.get("RANK", "0")):  # a data-parallel process under torchrun: rank 0 writes the result
         return 0
@@ -210,7 +214,7 @@ def _train(args) -> int:
 
 def _eval(args) -> int:
     from .. import evaluate, ir
-    from ..backends.torch import materialize
+    from ..backends.torch.stream import StreamedProgram
     from ..data import load_corpus, sequential_windows
     from .default_model import model_path
 
@@ -222,7 +226,7 @@ def _eval(args) -> int:
     if len(windows) < args.prompts:
         raise UsageError(f"--prompts {args.prompts} needs as many held-out windows; there are {len(windows)} "
                          f"(--windows {args.windows}, {len(corpus.valid):,} held-out bytes)")
-    model = materialize(ir.verify(_model(args)), compute=compute)
+    model = StreamedProgram(ir.verify(_model(args)), compute)
     res = {"model": str(model_path(args.model)), "compute": str(compute), "valid_bytes": int(windows[:, 1:].numel()),
            "bits_per_byte": evaluate.bits_per_byte(model, windows),
            "unigram_bits_per_byte": evaluate.unigram_bits_per_byte(corpus.train, windows)}
@@ -232,7 +236,7 @@ def _eval(args) -> int:
         res["acceptance_length"] = evaluate.acceptance_length(model, prompts, args.k, args.new_tokens)
         res["draft_tokens"] = args.k
     if args.teacher:
-        teacher = materialize(ir.verify(ir.load(model_path(args.teacher))), compute=compute)
+        teacher = StreamedProgram(ir.verify(ir.load(model_path(args.teacher))), compute)
         res.update(evaluate.teacher_agreement(teacher, model, windows))
     lines = [f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in res.items()]
     _emit(args, res, "\n".join(lines) + "\n")
@@ -316,7 +320,7 @@ def _build_engine(args) -> int:
     if recipe and recipe != "bf16":
         check_fp4({r.format for r in get_recipe(recipe).rules}, target, f"recipe {recipe!r} uses")
         PassManager(f"quantize{{recipe={recipe},samples={args.calib_samples},target={target.name}}}",
-                    device=args.device, dtype=args.dtype).run(prog)
+                    device=args.device, dtype=args.dtype, max_memory=args.max_memory).run(prog)
     check_fp4(formats(prog), target)
     calib = None
     if scenario.kv_dtype == "fp8":  # KV-cache scales from text windows, as the quantize pass calibrates
@@ -499,6 +503,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs one command: errors are one message on stderr, never a traceback (PUZZLEKIT_DEBUG=1 re-raises)."""
     args = parser().parse_args(argv)  # argparse exits with 2 on usage errors
+    return_freed_memory()
     try:
         return args.run(args)
     except KeyboardInterrupt:

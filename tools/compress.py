@@ -105,7 +105,7 @@ def compress(args, progress: bool = True) -> dict:
     stages = StageCheckpoints(out / "work" / "stages", parent_hash(parent))
     ins = Instrumentation(progress=progress, stages=stages)
     t0 = time.perf_counter()
-    am = PassManager(passes, ins, args.device, args.dtype).run(prog)
+    am = PassManager(passes, ins, args.device, args.dtype, args.max_memory).run(prog)
     clock = {"pipeline": time.perf_counter() - t0, **{label: s for label, s in ins.timings}}
     summary = {"pipeline": print_pipeline(passes), "resumed_at_pass": stages.resume_at, "passes": stages.count,
                "reports": am.reports, "seconds": clock, "model": str(src), "target": args.target,

@@ -99,20 +99,25 @@ def load_weights(module: ProgramModule, weights: WeightStore | None = None) -> P
     """Puts the store's tensors into the module, on its device (on CPU the module shares them). Quantised
     weights are dequantised (fake quantization) and the inputs of weights with an activation format are
     quantised-dequantised at run time."""
-    w = weights or module.program.weights
-    device = module.compute.device
-    own = module.state_dict()
-    missing = sorted(set(own) - set(w.names()))
+    load_into(module, weights or module.program.weights, module.compute.device, module.program.nodes)
+    return module
+
+
+def load_into(root: nn.Module, w: WeightStore, device, nodes, base: str = "") -> None:
+    """Loads `root`'s parameters from the store: `base` is the path of `root` in the program ("" for a whole
+    ProgramModule, a node's path for that node's module alone); `nodes` are the nodes it holds."""
+    full = {k: f"{base}.{k}" if base else k for k in root.state_dict()}
+    missing = sorted(n for n in full.values() if n not in w)
     if missing:
         raise KeyError(f"the weight store lacks {missing[:3]}")
-    module.load_state_dict({k: _dense(w.get(k)).to(device) for k in own}, strict=True, assign=True)
-    for n in module.program.nodes:
+    root.load_state_dict({k: _dense(w.get(n)).to(device) for k, n in full.items()}, strict=True, assign=True)
+    cut = len(base) + 1 if base else 0
+    for n in nodes:
         for local, fmt in n.op.quant:
             act = QUANT_FORMATS[fmt][1]
             if act:
-                scale = w.get(f"{n.path}.{local.rsplit('.', 1)[0]}.input_scale").to(device)
-                _quantize_input(module, f"{n.path}.{local.rsplit('.', 1)[0]}", act, scale)
-    return module
+                module = f"{n.path}.{local.rsplit('.', 1)[0]}"
+                _quantize_input(root, module[cut:], act, w.get(f"{module}.input_scale").to(device))
 
 
 def _dense(t):

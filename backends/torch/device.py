@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import UsageError
+from ...memory import budget, parse_size
 
 DEVICES = "auto, cpu, cuda or cuda:N"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,10 +26,16 @@ class DeviceError(UsageError):
 
 @dataclass(frozen=True)
 class Compute:
-    """A device and the dtype the forward computes in (float32: no autocast)."""
+    """A device, the dtype the forward computes in (float32: no autocast) and the memory budget in bytes
+    (`--max-memory`; 0: half of what is available, see puzzlekit.memory)."""
 
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
+    memory: int = 0
+
+    @property
+    def budget(self) -> int:
+        return budget(self.memory)
 
     def autocast(self):
         """The forward's precision: autocast to `dtype`, or nothing at float32."""
@@ -48,9 +55,11 @@ class Compute:
 CPU = Compute()
 
 
-def resolve(device: str | None = "auto", dtype: str | None = "auto") -> Compute:
+def resolve(device: str | None = "auto", dtype: str | None = "auto", max_memory: str | int | None = None) -> Compute:
     """`auto` picks CUDA when it is available (under torchrun, the rank's own `cuda:LOCAL_RANK`), and then
-    bfloat16; on CPU float32. An explicit CUDA device on a machine without one is refused."""
+    bfloat16; on CPU float32. An explicit CUDA device on a machine without one is refused. `max_memory`
+    bounds the host memory of weights and activations (a size like `24GB`)."""
+    memory = max_memory if isinstance(max_memory, int) else parse_size(max_memory) if max_memory else 0
     device, dtype = device or "auto", dtype or "auto"
     if device == "auto":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
@@ -78,5 +87,5 @@ def resolve(device: str | None = "auto", dtype: str | None = "auto") -> Compute:
         raise DeviceError(f"--dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
     if dt == torch.float16 and dev.type == "cpu":
         raise DeviceError("--dtype float16 computes on CUDA only; on CPU use bfloat16 or float32")
-    return Compute(dev, dt)
+    return Compute(dev, dt, memory)
 

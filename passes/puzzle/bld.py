@@ -9,45 +9,12 @@ from __future__ import annotations
 
 import copy
 import zlib
-from dataclasses import dataclass
 
 import torch
 
 from ...backends.torch.device import CPU, Compute
 from ...ir.ops import OpSpec, RMSNorm
 from ...training import Schedule, fit
-
-
-@dataclass
-class Activations:
-    """Per block: inputs [windows, T, hidden] and contributions (output - input), both detached."""
-
-    inputs: list[torch.Tensor]
-    deltas: list[torch.Tensor]
-
-
-@torch.no_grad()
-def block_activations(model, windows: torch.Tensor, batch: int = 8) -> Activations:
-    """Runs the parent once over `windows` [n, T] and keeps every block's input and contribution."""
-    blocks = [model.get_submodule(n.path) for n in model.program.blocks()]
-    ins: list[list] = [[] for _ in blocks]
-    outs: list[list] = [[] for _ in blocks]
-
-    def keep(i):
-        def hook(module, args, out):  # returns None: the block's output is left as it is
-            ins[i].append(args[0])
-            outs[i].append(out[0])
-        return hook
-
-    hooks = [b.register_forward_hook(keep(i)) for i, b in enumerate(blocks)]
-    try:
-        for ids in windows.split(batch):
-            model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    x = [torch.cat(v) for v in ins]
-    return Activations(x, [torch.cat(o) - xi for o, xi in zip(outs, x)])
 
 
 def block_module(spec: OpSpec, weights: dict) -> torch.nn.Module:

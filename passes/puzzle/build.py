@@ -1,28 +1,35 @@
 """Building a block library: importance -> variants sliced in importance order -> BLD -> scoring.
 
-The expensive, target-independent half of Puzzle, done once per parent. Every variant is written as it
-finishes (weights, then its row), so a killed build resumes where it stopped and ends with the same
-manifest as an uninterrupted one (every variant trains from its own fixed seed). Under `torchrun` the
-layers are shared out over the ranks (gloo on CPU) and rank 0 writes the manifest.
+The expensive, target-independent half of Puzzle, done once per parent, layer by layer so that a parent
+larger than memory is built within the memory budget: one sweep of the parent over the calibration and
+held-out windows (importance gathered on the way) writes every layer's input to `activations/`; then each
+layer's variants are initialised, trained (BLD) and scored from those files, reading only that layer and the
+ones after it. Every layer's variants are written as they finish (weights, then rows), so a killed build
+resumes where it stopped and ends with the same manifest as an uninterrupted one (every variant trains from
+its own fixed seed). Under `torchrun` rank 0 sweeps, the layers are then shared out over the ranks (gloo on
+CPU) and rank 0 writes the manifest; the activations are removed once it is written.
 """
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ...backends.torch.device import CPU, Compute
+from ...backends.torch.stream import StreamedProgram
 from ...ir import Program, print_program
 from ...outputs import check_output, write_json
 from ...training import barrier, distributed
-from .bld import block_activations, block_module, distill_block, linear_fit, nmse, seed_of
+from .bld import block_module, distill_block, linear_fit, nmse, seed_of
 from .grid import Variant, check_grid, load_grid, variants
-from .importance import compute_importance
+from .importance import ImportanceStats
 from .library import (FORMAT, MANIFEST, Library, LibraryError, load_row, parent_hash, replacement_spec, row_of,
                       save_variant, slice_variant, variant_spec)
 from .score import Scorer
@@ -79,8 +86,11 @@ def build_library(prog: Program, out, grid_file=None, settings: LibrarySettings 
         _start(prog, out, settings, digest)
     barrier(world)
     weightless = prog.is_meta
-    if not weightless:
-        _build_rows(prog, out, settings, [t for t in todo if t[0] % world == rank], progress, importance, compute)
+    if not weightless and any(load_row(out, i, v.id) is None for i, _, vs in todo for v in vs):
+        if rank == 0:
+            _sweep_parent(prog, out, settings, importance, compute)
+        barrier(world)
+        _build_rows(prog, out, settings, [t for t in todo if t[0] % world == rank], progress, compute)
     barrier(world)
     if rank == 0:
         rows = []
@@ -90,43 +100,93 @@ def build_library(prog: Program, out, grid_file=None, settings: LibrarySettings 
                     "parent": {"hash": digest, "source": prog.meta.get("source", ""), "program": print_program(prog)},
                     "settings": asdict(settings), "variants": rows}
         write_json(out / MANIFEST, manifest)
+        shutil.rmtree(out / ACTIVATIONS, ignore_errors=True)
     barrier(world)
     return Library.open(out)
 
 
-def _importance(prog: Program, out: Path, windows: torch.Tensor, known: dict | None, compute: Compute) -> dict:
-    f = out / "importance.json"
-    if f.exists():
-        return json.loads(f.read_text())
-    imp = known or compute_importance(prog, windows, compute=compute)
-    write_json(f, imp)
-    return imp
+ACTIVATIONS = "activations"
 
 
-def _build_rows(prog: Program, out: Path, s: LibrarySettings, todo: list, progress: bool, known: dict | None,
-                compute: Compute) -> None:
-    from ...backends.torch import materialize
+class LayerInputs:
+    """The parent's input to every block, and the trunk's output (layer L), on one split's windows: one
+    safetensors file per layer under LIB/activations/SPLIT, complete once `done.json` is written."""
+
+    def __init__(self, lib: Path, split: str, device=None):
+        self.dir, self.device = lib / ACTIVATIONS / split, device
+
+    def complete(self) -> bool:
+        return (self.dir / "done.json").exists()
+
+    def write(self, layer: int, x: torch.Tensor) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        f = self.dir / f"L{layer:03d}.safetensors"
+        tmp = f.with_name(f".{f.name}.tmp")
+        save_file({"x": x.detach().contiguous().cpu()}, str(tmp))
+        tmp.replace(f)
+
+    def finish(self) -> None:
+        write_json(self.dir / "done.json", {"complete": True})
+
+    def __call__(self, layer: int) -> torch.Tensor:
+        return load_file(str(self.dir / f"L{layer:03d}.safetensors"))["x"].to(self.device)
+
+
+def _windows(s: LibrarySettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(calibration windows [n, seq] from the training split, held-out windows [m, seq + 1])."""
     from ...data import load_corpus, sequential_windows
 
-    clock = Stopwatch()
     corpus = load_corpus(s.data or None)
-    calib = sequential_windows(corpus.train, s.seq, limit=s.calib_windows)
-    held_out = sequential_windows(corpus.valid, s.seq + 1, limit=s.score_windows)
-    with clock("importance"):
-        ranks = _importance(prog, out, calib, known, compute)["layers"]
-    with clock("parent activations"):
-        model = materialize(prog, dtype=torch.float32, compute=compute)
-        train = block_activations(model, calib)
-        valid = block_activations(model, held_out[:, :-1])
-        scorer = Scorer(model, held_out, valid.inputs)
+    return (sequential_windows(corpus.train, s.seq, limit=s.calib_windows),
+            sequential_windows(corpus.valid, s.seq + 1, limit=s.score_windows))
+
+
+def _sweep_parent(prog: Program, out: Path, s: LibrarySettings, known: dict | None, compute: Compute) -> None:
+    """One layer-by-layer pass of the parent over each split: every layer's inputs to disk. The calibration
+    pass runs in float32 and gathers the importance statistics on the way (unless known, or already written);
+    the held-out pass runs in the compute precision, as the scorer does."""
+    calib, held_out = _windows(s)
+    blocks = prog.blocks()
+    layer_of = {b.args[0]: i for i, b in enumerate(blocks)} | {blocks[-1].name: len(blocks)}
+    f = out / "importance.json"
+    stats = None if f.exists() or known else ImportanceStats()
+    exact = Compute(compute.device, memory=compute.memory)
+    for split, windows, batch, how, attach in (("train", calib, 4, exact, stats and stats.attach),
+                                               ("valid", held_out[:, :-1], 8, compute, None)):
+        store = LayerInputs(out, split)
+        if store.complete() and attach is None:
+            continue
+        for node, tape, _ in StreamedProgram(prog, how, dtype=torch.float32).sweep(windows, batch, attach=attach):
+            if node.name in layer_of:
+                store.write(layer_of[node.name], tape.cat())
+        store.finish()
+    if not f.exists():
+        write_json(f, known or stats.result(calib))
+
+
+def _build_rows(prog: Program, out: Path, s: LibrarySettings, todo: list, progress: bool, compute: Compute) -> None:
+    clock = Stopwatch()
+    _, held_out = _windows(s)
+    ranks = json.loads((out / "importance.json").read_text())["layers"]
+    train, valid = LayerInputs(out, "train", compute.device), LayerInputs(out, "valid", compute.device)
+    scorer = Scorer(StreamedProgram(prog, compute, dtype=torch.float32), held_out, valid)
     bar = tqdm(total=sum(len(vs) for _, _, vs in todo), desc="library", disable=not progress)
     for i, node, vs in todo:
+        pending = [v for v in vs if load_row(out, i, v.id) is None]
+        bar.update(len(vs) - len(pending))
+        if not pending:
+            continue
         weights = {k: v.float() for k, v in prog.node_weights(node).items()}
-        for v in vs:
-            if load_row(out, i, v.id) is None:
-                row, w = _variant(node, i, v, weights, ranks.get(node.path, {}), train, valid, scorer, s, clock,
-                                  compute)
-                save_variant(out, i, v.id, w, row)
+        x, vx = train(i), valid(i)
+        d, vd = train(i + 1) - x, valid(i + 1) - vx
+        made = [_variant(node, i, v, weights, ranks.get(node.path, {}), (x, d, vx, vd), s, clock, compute)
+                for v in pending]
+        del x, d, vx, vd
+        with clock("score"):
+            scores = scorer.score_layer(i, [block for _, block in made])
+        for v, (row, block), sc in zip(pending, made, scores):
+            save_variant(out, i, v.id, {k: t.detach().cpu() for k, t in block.state_dict().items()},
+                         row | {"scores": sc})
             bar.update(1)
     bar.close()
     write_json(out / "timings.json", clock.seconds)  # this run's; not part of the manifest
@@ -147,10 +207,10 @@ class Stopwatch:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
 
 
-def _variant(node, i: int, v: Variant, weights: dict, ranks: dict, train, valid, scorer: Scorer,
-             s: LibrarySettings, clock: Stopwatch, compute: Compute) -> tuple[dict, dict]:
-    """Initialises, trains (when it has something to learn) and scores one variant."""
-    x, d, vx, vd = train.inputs[i], train.deltas[i], valid.inputs[i], valid.deltas[i]
+def _variant(node, i: int, v: Variant, weights: dict, ranks: dict, acts: tuple, s: LibrarySettings,
+             clock: Stopwatch, compute: Compute) -> tuple[dict, torch.nn.Module]:
+    """Initialises and trains (when it has something to learn) one variant: its row so far and its block."""
+    x, d, vx, vd = acts
     with clock("initialise"):
         spec, w, init = _initial(node, v, weights, ranks, x, d)
         block = block_module(spec, w).to(compute.device)
@@ -159,10 +219,7 @@ def _variant(node, i: int, v: Variant, weights: dict, ranks: dict, train, valid,
         with clock("bld"):
             bld.update(distill_block(block, x, d, s.bld_tokens, seed_of(i, v.id), s.bld_lr, compute=compute))
     bld["final_nmse"] = nmse(block, vx, vd, compute=compute) if bld["trained"] else bld["initial_nmse"]
-    with clock("score"):
-        scores = scorer.score(i, block)
-    row = row_of(i, node.path, v, spec) | {"init": init, "bld": bld, "scores": scores}
-    return row, {k: t.detach().cpu() for k, t in block.state_dict().items()}
+    return row_of(i, node.path, v, spec) | {"init": init, "bld": bld}, block
 
 
 def _initial(node, v: Variant, weights: dict, ranks: dict, x, d):

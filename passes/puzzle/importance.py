@@ -153,30 +153,46 @@ def _hooks(node, mixer, acc: _Sums) -> list:
     return [mixer.register_forward_pre_hook(lambda m, a: fn(mixer, a[0], acc))]
 
 
+class ImportanceStats:
+    """Importance measured during a sweep (backends.torch.stream): `attach` hooks each block's mixer while the
+    block runs over the calibration windows and turns the sums into ranks when it is done, so the statistics
+    of a model larger than memory are gathered one layer at a time."""
+
+    def __init__(self):
+        self.layers: dict[str, dict] = {}
+        self.routing: dict[str, list] = {}
+
+    def attach(self, node, module):
+        if not (node.op.is_block and node.op.axes()):
+            return None
+        acc, mixer = _Sums(), module.mixer
+        handles = _hooks(node, mixer, acc)
+
+        def finish():
+            for h in handles:
+                h.remove()
+            self.layers[node.path] = _ranks_of(node.op, acc.sums, mixer)
+            if node.op.kind == "moe":
+                self.routing[node.path] = (acc.sums["routing"] / acc.sums["tokens"]).tolist()
+        return finish
+
+    def result(self, windows: torch.Tensor) -> dict:
+        return {"layers": self.layers, "routing": self.routing, "tokens": int(windows.numel())}
+
+
 def compute_importance(prog: Program, windows: torch.Tensor, batch: int = 4, compute=None) -> dict:
     """{"layers": {path: {axis: ranks}}, "routing": {path: per-expert frequency}, "tokens": n}. On
-    `compute`'s device, always in float32: statistics summed over many tokens decide close ranks."""
-    from ...backends.torch import materialize
+    `compute`'s device and within its memory budget, always in float32: statistics summed over many tokens
+    decide close ranks."""
     from ...backends.torch.device import CPU, Compute
+    from ...backends.torch.stream import StreamedProgram
 
-    model = materialize(prog, compute=Compute((compute or CPU).device))
-    blocks = [n for n in prog.blocks() if n.op.axes()]
-    accs = {n.path: _Sums() for n in blocks}
-    handles = [h for n in blocks for h in _hooks(n, model.get_submodule(f"{n.path}.mixer"), accs[n.path])]
-    try:
-        with torch.no_grad():
-            for ids in windows.split(batch):
-                model(ids)
-    finally:
-        for h in handles:
-            h.remove()
-    layers, routing = {}, {}
-    for n in blocks:
-        acc, mixer = accs[n.path].sums, model.get_submodule(f"{n.path}.mixer")
-        layers[n.path] = _ranks_of(n.op, acc, mixer)
-        if n.op.kind == "moe":
-            routing[n.path] = (acc["routing"] / acc["tokens"]).tolist()
-    return {"layers": layers, "routing": routing, "tokens": int(windows.numel())}
+    compute = compute or CPU
+    stats = ImportanceStats()
+    for _ in StreamedProgram(prog, Compute(compute.device, memory=compute.memory)).sweep(windows, batch,
+                                                                                          attach=stats.attach):
+        pass
+    return stats.result(windows)
 
 
 @analysis("importance")

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from ...ir import Program, print_program
 from ...ir.checkpoint import spec_from_dict, spec_to_dict
+from ...ir.weights import lazy_tensors
 from ...ir.ops import Linear, Noop, OpSpec
 from ...outputs import write_json
 from ..core import PassError
@@ -137,7 +138,9 @@ class Library:
     def spec(self, row: dict) -> OpSpec:
         return spec_from_dict(row["spec"], f"{self.path}: variant {row['layer']}/{row['id']}")
 
-    def weights(self, row: dict) -> dict[str, torch.Tensor]:
+    def weights(self, row: dict, lazy: bool = False) -> dict:
+        """The variant's weights by local name; `lazy`: unread (read from the library when used), so that a
+        child realised from the library holds no more in memory than its parent did."""
         if self.weightless:
             raise LibraryError(f"library {self.path} is weightless (built from a config); it has no variant weights")
         if not self.spec(row).params():
@@ -145,6 +148,8 @@ class Library:
         f = layer_dir(self.path, row["layer"]) / f"{safe_id(row['id'])}.safetensors"
         if not f.exists():
             raise LibraryError(f"library {self.path} lacks the weights of variant {row['layer']}/{row['id']} ({f})")
+        if lazy:
+            return lazy_tensors(f)
         return load_file(str(f))
 
 

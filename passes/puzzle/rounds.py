@@ -14,9 +14,9 @@ import torch
 from ...ir import Program
 from ...ir.checkpoint import spec_to_dict
 from ...ir.ops import OpSpec
-from .bld import block_activations, block_module
+from .bld import block_module
 from .library import Library, _keep
-from .score import Scorer
+from .score import Scorer, sweep_inputs
 
 
 def steps_to(current: OpSpec, target: OpSpec) -> list[tuple[str, int]] | None:
@@ -65,14 +65,20 @@ def candidate_weights(lib: Library, row: dict, prog: Program, ranks: dict) -> di
 
 def rescore(lib: Library, prog: Program, ranks: dict, windows: torch.Tensor, compute=None) -> dict[tuple, dict]:
     """{(layer, id): scores} of every candidate, each put alone into the current model, on `windows`."""
-    from ...backends.torch import materialize
+    from ...backends.torch.device import CPU
+    from ...backends.torch.stream import StreamedProgram
 
-    model = materialize(prog, dtype=torch.float32, compute=compute)
-    scorer = Scorer(model, windows, block_activations(model, windows[:, :-1]).inputs)
-    out = {}
+    compute = compute or CPU
+    stream = StreamedProgram(prog, compute, dtype=torch.float32)
+    scorer = Scorer(stream, windows, sweep_inputs(stream, windows[:, :-1]))
+    by_layer: dict[int, list[dict]] = {}
     for r in candidates(lib, prog):
-        block = block_module(lib.spec(r), candidate_weights(lib, r, prog, ranks)).to(model.compute.device)
-        out[r["layer"], r["id"]] = scorer.score(r["layer"], block)
+        by_layer.setdefault(r["layer"], []).append(r)
+    out = {}
+    for layer, rows in by_layer.items():
+        blocks = [block_module(lib.spec(r), candidate_weights(lib, r, prog, ranks)).to(compute.device) for r in rows]
+        for r, sc in zip(rows, scorer.score_layer(layer, blocks)):
+            out[r["layer"], r["id"]] = sc
     return out
 
 

@@ -1,11 +1,14 @@
 """Replace-one-block scoring: the parent with exactly one layer swapped for a variant, on held-out text.
 
 Recorded per variant: KL(parent || candidate) of the next-token distributions (nats per token, the search's
-default objective), the LM loss (nats per token) and top-1 agreement with the parent. The parent's
-inputs to every layer and its log-probabilities are computed once, so scoring a variant of layer i runs
-only layers i.. of the model.
+default objective), the LM loss (nats per token) and top-1 agreement with the parent. The parent's input to
+every layer and its final hidden state come from one sweep, so scoring a layer's variants runs only layers
+i+1.. of the model, and all of a layer's variants go through them together: each later layer is read once
+per layer scored (backends.torch.stream keeps the ones that fit the budget).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -14,35 +17,57 @@ from ...evaluate import check_finite
 
 
 class Scorer:
-    def __init__(self, model, windows: torch.Tensor, inputs: list[torch.Tensor], batch: int = 8):
-        """`windows` [n, T + 1] token ids; `inputs[i]` the parent's input to layer i on windows[:, :-1]."""
-        self.model, self.batch = model, batch
-        self.blocks = [model.get_submodule(n.path) for n in model.program.blocks()]
-        self.norm = model.get_submodule(model.program.find("norm")[0].path)
-        self.head = model.get_submodule(model.program.find("lm_head")[0].path)
-        self.targets = windows[:, 1:].to(model.compute.device)
-        self.inputs = inputs
-        with torch.no_grad():
-            self.parent = [F.log_softmax(self._logits(0, self.blocks[0], s), -1) for s in self._slices()]
+    def __init__(self, stream, windows: torch.Tensor, inputs: Callable[[int], torch.Tensor], batch: int = 8):
+        """`stream` a StreamedProgram of the parent; `windows` [n, T + 1] token ids; `inputs(i)` the parent's
+        input to layer i on windows[:, :-1] ([n, T, hidden]), `inputs(len(blocks))` the trunk's output."""
+        self.stream, self.inputs, self.batch = stream, inputs, batch
+        prog = stream.program
+        self.nodes = prog.blocks()
+        self.tail = [prog.find("norm")[0], prog.find("lm_head")[0]]
+        self.targets = windows[:, 1:].to(stream.compute.device)
 
     def _slices(self):
         return [slice(i, i + self.batch) for i in range(0, len(self.targets), self.batch)]
 
-    def _logits(self, layer: int, block, rows: slice) -> torch.Tensor:
-        with self.model.compute.autocast():  # the model's precision; the scores in float32
-            x = block(self.inputs[layer][rows])[0]
-            for b in self.blocks[layer + 1:]:
-                x = b(x)[0]
-            return self.head(self.norm(x)).float()
+    def _run(self, block, x: torch.Tensor) -> torch.Tensor:
+        with self.stream.compute.autocast():  # the model's precision; the scores in float32
+            return block(x)[0]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        norm, head = (self.stream.module(n) for n in self.tail)
+        with self.stream.compute.autocast():
+            return head(norm(x)).float()
+
+    def score(self, layer: int, block) -> dict:
+        return self.score_layer(layer, [block])[0]
 
     @torch.no_grad()
-    def score(self, layer: int, block) -> dict:
-        """KL, LM loss and top-1 agreement of the parent with `block` in place of layer `layer`."""
-        kl = lm = agree = 0.0
+    def score_layer(self, layer: int, blocks: list) -> list[dict]:
+        """KL, LM loss and top-1 agreement of the parent with each of `blocks` in place of layer `layer`."""
+        x = self.inputs(layer)
+        ys = [[self._run(b, x[s]) for s in self._slices()] for b in blocks]
+        for node in self.nodes[layer + 1:]:
+            m = self.stream.module(node)
+            ys = [[self._run(m, y) for y in row] for row in ys]
+        final = self.inputs(len(self.nodes))
+        sums = [[0.0, 0.0, 0.0] for _ in blocks]
+        for k, s in enumerate(self._slices()):
+            p = F.log_softmax(self._logits(final[s]), -1)
+            for v, acc in enumerate(sums):
+                q = F.log_softmax(check_finite(self._logits(ys[v][k]), f"logits with layer {layer} replaced"), -1)
+                acc[0] += (p.exp() * (p - q)).sum().item()
+                acc[1] += F.nll_loss(q.reshape(-1, q.shape[-1]), self.targets[s].reshape(-1), reduction="sum").item()
+                acc[2] += (p.argmax(-1) == q.argmax(-1)).sum().item()
         count = self.targets.numel()
-        for rows, p in zip(self._slices(), self.parent):
-            q = F.log_softmax(check_finite(self._logits(layer, block, rows), f"logits with layer {layer} replaced"), -1)
-            kl += (p.exp() * (p - q)).sum().item()
-            lm += F.nll_loss(q.reshape(-1, q.shape[-1]), self.targets[rows].reshape(-1), reduction="sum").item()
-            agree += (p.argmax(-1) == q.argmax(-1)).sum().item()
-        return {"kl": kl / count, "lm_loss": lm / count, "top1": agree / count}
+        return [{"kl": kl / count, "lm_loss": lm / count, "top1": agree / count} for kl, lm, agree in sums]
+
+
+def sweep_inputs(stream, windows: torch.Tensor, batch: int = 8) -> Callable[[int], torch.Tensor]:
+    """The parent's input to every block (and the trunk's output) on `windows`, kept from one sweep (in the
+    stream's tapes: memory, then scratch files); for scorers of a model that is not built into a library."""
+    blocks = stream.program.blocks()
+    names = [b.args[0] for b in blocks] + [blocks[-1].name]
+    kept = {}
+    for _, _, kept in stream.sweep(windows, batch, keep=names):
+        pass
+    return lambda i: kept[names[i]].cat()

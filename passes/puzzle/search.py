@@ -351,7 +351,7 @@ def realise(prog: Program, lib: Library, rows: list[dict], weights: bool = True)
         if r["id"] == "parent":
             continue
         spec = lib.spec(r)
-        w = lib.weights(r) if weights else {k: _meta(s) for k, s in spec.stored_params().items()}
+        w = lib.weights(r, lazy=True) if weights else {k: _meta(s) for k, s in spec.stored_params().items()}
         prog.rewrite(prog.node(r["path"]), op=spec, weights=w)
         prog.meta.get("routing", {}).pop(r["path"], None)
     return prog

@@ -10,7 +10,7 @@ import torch
 
 from ..core import ComputePass, PassError, Preserved, register
 from ..manager import progress
-from .calibrate import activation_amax, input_scale, quantize_weight
+from .calibrate import ActivationAmax, input_scale, quantize_weight
 from .export import quantize_checkpoint
 from ...ir.quant.formats import FP8Tensor, NVFP4Tensor, QuantError, fake_quantize, quantize_fp8, quantize_nvfp4
 from ...ir.quant.recipe import FORMATS, RECIPES, Recipe, Rule, get_recipe
@@ -62,7 +62,7 @@ class Quantize(ComputePass):
 
     def run(self, prog, am):
         from ...backends.targets import get_target
-        from ...backends.torch import materialize
+        from ...backends.torch.stream import StreamedProgram
         from ...evaluate import teacher_agreement
 
         recipe = get_recipe(self.recipe)
@@ -73,11 +73,16 @@ class Quantize(ComputePass):
         if prog.is_meta:
             raise PassError("quantize needs real weights; this program has meta tensors only")
         windows = calibration_windows(self.data, self.samples, self.seq, prog)
-        compute = self.compute(am)  # calibration and the report's KL
-        teacher = materialize(prog, compute=compute)
+        compute = self.compute(am)  # calibration and the report's KL, layer by layer within the memory budget
+        teacher = StreamedProgram(prog.copy(), compute)  # the weights as they were (shared, not copied)
         act_modules = [f"{path}.{local.rsplit('.', 1)[0]}" for path, params in plan.items()
                        for local, fmt in params.items() if FORMATS[fmt][1]]
-        amax = activation_amax(teacher, act_modules, windows.split(4)) if act_modules else {}
+        amax = {}
+        if act_modules:
+            calib = ActivationAmax(act_modules)
+            for _ in teacher.outputs(windows, 4, attach=calib.attach):
+                pass
+            amax = calib.amax
         for path, params in progress(plan.items(), am, "quantize", total=len(plan)):
             node = prog.node(path)
             new = {}
@@ -89,8 +94,9 @@ class Quantize(ComputePass):
                     module = f"{path}.{local.rsplit('.', 1)[0]}"
                     new[f"{local.rsplit('.', 1)[0]}.input_scale"] = input_scale(amax[module], act)
             prog.rewrite(node, op=node.op.replace(quant=dict(node.op.quant) | params), weights=new)
+            prog.weights.spill_over(compute.budget // 4)
         report = {"recipe": self.recipe, "calib": self.calib.value, "weights": sum(len(p) for p in plan.values()),
-                  **teacher_agreement(teacher, materialize(prog, compute=compute), windows)}
+                  **teacher_agreement(teacher, StreamedProgram(prog, compute), windows)}
         am.reports["quantize"] = report
         print(f"quantize{{recipe={self.recipe}}}: {report['weights']} weights; KL to the original "
               f"{report['kl']:.5f} nats/token, top-1 agreement {report['top1_agreement']:.4f}", file=sys.stderr)

@@ -58,34 +58,42 @@ def input_scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
     return (amax / FP8_MAX if fmt == "fp8" else amax / (6.0 * FP8_MAX)).reshape(())
 
 
-@torch.no_grad()
-def activation_amax(model, module_paths: list[str], batches) -> dict[str, torch.Tensor]:
-    """Largest |input| seen by each module (routed experts: over the tokens routed to them)."""
-    amax: dict[str, torch.Tensor] = {}
-    hooks, mixers = [], {}
-    for path in module_paths:
-        if ".experts." in path:
-            mixer_path = path.split(".experts.", 1)[0]
-            mixers.setdefault(mixer_path, model.get_submodule(mixer_path))
-            continue
+class ActivationAmax:
+    """The largest |input| seen by each module of `module_paths` (routed experts: over the tokens routed to
+    them), gathered during a sweep (backends.torch.stream): `attach` hooks the modules of the node about to
+    run and collects their maxima when it is done."""
 
-        def hook(m, args, path=path):
-            a = args[0].detach().abs().amax().float()
-            amax[path] = torch.maximum(amax.get(path, a), a)
+    def __init__(self, module_paths: list[str]):
+        self.paths = module_paths
+        self.amax: dict[str, torch.Tensor] = {}
 
-        hooks.append(model.get_submodule(path).register_forward_pre_hook(hook))
-    for m in mixers.values():
-        m.__dict__["calib"] = {}
-    try:
-        for ids in batches:
-            model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    for mixer_path, m in mixers.items():
-        stats = m.__dict__.pop("calib")
-        for j in range(m.spec.experts):
-            for side, key in (("up", "up_proj"), ("down", "down_proj")):
-                if side in stats:
-                    amax[f"{mixer_path}.experts.{j}.{key}"] = stats[side][j]
-    return amax
+    def attach(self, node, module):
+        mine = [p for p in self.paths if p.startswith(node.path + ".")]
+        if not mine:
+            return None
+        cut = len(node.path) + 1
+        hooks, mixers = [], {}
+        for path in mine:
+            if ".experts." in path:
+                mixer_path = path.split(".experts.", 1)[0]
+                mixers.setdefault(mixer_path, module.get_submodule(mixer_path[cut:]))
+                continue
+
+            def hook(m, args, path=path):
+                a = args[0].detach().abs().amax().float()
+                self.amax[path] = torch.maximum(self.amax.get(path, a), a)
+
+            hooks.append(module.get_submodule(path[cut:]).register_forward_pre_hook(hook))
+        for m in mixers.values():
+            m.__dict__["calib"] = {}
+
+        def finish():
+            for h in hooks:
+                h.remove()
+            for mixer_path, m in mixers.items():
+                stats = m.__dict__.pop("calib")
+                for j in range(m.spec.experts):
+                    for side, key in (("up", "up_proj"), ("down", "down_proj")):
+                        if side in stats:
+                            self.amax[f"{mixer_path}.experts.{j}.{key}"] = stats[side][j]
+        return finish

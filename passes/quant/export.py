@@ -22,7 +22,7 @@ def quantize_checkpoint(src, dst, recipe: str = "fp8", calib: str = "amax", act_
 
     Peak memory is about one output shard plus one source tensor; shards default to the size of the
     largest tensor. Recipes with activation formats need `act_amax` ({module path: amax}, e.g. from
-    calibrate.activation_amax on a machine that can run the model); weight-only recipes do not. `extended`
+    calibrate.ActivationAmax on a machine that can run the model); weight-only recipes do not. `extended`
     writes puzzlekit's extended form (see `ir.save`).
     """
     prog = ir.load(src)

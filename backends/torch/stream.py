@@ -1,0 +1,215 @@
+"""Runs a Program one node at a time, within a memory budget, so a model larger than memory still runs.
+
+A node's module is built and its weights read from the store (lazily, from the checkpoint) when it runs;
+modules are kept while the weights kept by every stream of the process fit half the budget, and the rest are
+read again when next used: layers are visited in order, again and again (every sweep, every layer scored),
+and for such scans keeping a fixed set beats evicting the least recently used (which would keep none of
+the layers that come next). `sweep` runs the
+trunk node-major, every window through one node before the next node is read, so each layer is read once
+per sweep, and keeps each value as a `Tape` of per-batch tensors that spills to scratch files past a quarter
+of the budget. The nodes after the last block (final norm, LM head, MTP head) then run batch by batch, so
+logits are never held for more than one batch.
+
+`StreamedProgram` answers like `ProgramModule` for what evaluation and the passes use: `outputs(windows)`,
+a call on one batch, `values`, `get_submodule` of a node, `program` and `compute`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ...ir.program import Node, Program
+from ...memory import scratch_file
+from . import load_into
+from .device import CPU, Compute
+
+#: attach(node, module) -> finish() or None: called before a node runs over the windows; finish() after it
+Attach = Callable[[Node, nn.Module], Callable[[], None] | None]
+
+
+class Tape:
+    """One value for every batch of windows: in memory up to `room` bytes (shared by the tapes of one
+    sweep), past it in scratch files read back on use."""
+
+    def __init__(self, room: list[int]):
+        self._items: list = []
+        self._room = room
+
+    def append(self, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        if n <= self._room[0]:
+            self._room[0] -= n
+            self._items.append(t)
+            return
+        f = scratch_file(".safetensors")
+        save_file({"t": t.detach().contiguous().cpu()}, str(f))
+        self._items.append((f, t.device))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, b: int) -> torch.Tensor:
+        item = self._items[b]
+        if isinstance(item, torch.Tensor):
+            return item
+        f, device = item
+        return load_file(str(f))["t"].to(device)
+
+    def cat(self) -> torch.Tensor:
+        return torch.cat([self[b] for b in range(len(self))])
+
+    def __del__(self):
+        for item in self._items:
+            if isinstance(item, torch.Tensor):
+                self._room[0] += item.numel() * item.element_size()
+            else:
+                item[0].unlink(missing_ok=True)
+        self._items = []
+
+
+def module_bytes(m: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+
+#: bytes of the modules kept by all streams of this process (the budget is the process's)
+_kept = [0]
+
+
+class StreamedProgram:
+    """`prog` run node by node on `compute`'s device, in its precision, within its memory budget; `dtype`
+    casts the weights as they are read (float32 for the passes that need the parent's exact numbers)."""
+
+    def __init__(self, prog: Program, compute: Compute = CPU, dtype: torch.dtype | None = None):
+        self.program, self.compute, self.dtype = prog, compute, dtype
+        self.budget = compute.budget
+        self._cache: dict[str, tuple[nn.Module, int]] = {}
+        self._blocks = {n.path: i for i, n in enumerate(prog.blocks())}
+        self.reads = 0  # modules built from the store (a measure of the weight traffic, for tests and benchmarks)
+        self.training = False
+
+    # -- modules -----------------------------------------------------------------------------------------------
+    def module(self, node: Node | str) -> nn.Module:
+        """The node's module, with its weights (built on first use, then cached while it fits)."""
+        node = self.program.node(node) if isinstance(node, str) else node
+        if node.path in self._cache:
+            return self._cache[node.path][0]
+        with torch.device(self.compute.device):
+            m = node.op.build()
+        load_into(m, self.program.weights, self.compute.device, [node], node.path)
+        if self.dtype is not None:
+            m.to(self.dtype)
+        kind = lambda k: self.program.find(k)[0]
+        if node.op.kind == "lm_head" and node.op.tied:
+            m.bind(self.module(kind("embed")))
+        if node.op.kind == "mtp":
+            m.bind(self.module(kind("embed")), self.module(kind("lm_head")))
+        m.eval().requires_grad_(False)
+        self.reads += 1
+        size = module_bytes(m)
+        if _kept[0] + size <= self.budget // 2:
+            self._cache[node.path] = (m, size)
+            _kept[0] += size
+        return m
+
+    def get_submodule(self, path: str) -> nn.Module:
+        """A node's module by its path (what hooks and drafters look up on a ProgramModule)."""
+        return self.module(path)
+
+    def named_parameters(self):
+        """(name, dense tensor) of every weight, read one at a time (to name the non-finite ones)."""
+        w = self.program.weights
+        for n in self.program.nodes:
+            for local in n.op.params():
+                t = w.get(f"{n.path}.{local}")
+                yield f"{n.path}.{local}", t if isinstance(t, torch.Tensor) else t.dequantize()
+
+    def release(self) -> None:
+        """Drops the kept modules (their weights are read again when next used)."""
+        _kept[0] -= sum(size for _, size in self._cache.values())
+        self._cache.clear()
+
+    def __del__(self):
+        self.release()
+
+    # -- running ----------------------------------------------------------------------------------------------
+    def _apply(self, node: Node, m: nn.Module, args: list) -> torch.Tensor:
+        with self.compute.autocast():
+            out = m(*args, None, False) if node.op.is_block or node.op.kind == "mtp" else m(*args)
+        return out[0] if isinstance(out, tuple) else out
+
+    def trunk_end(self) -> int:
+        """Index of the first node after the last block: the nodes from there run batch by batch."""
+        ends = [i for i, n in enumerate(self.program.nodes) if n.op.is_block]
+        return ends[-1] + 1 if ends else 1
+
+    @torch.no_grad()
+    def sweep(self, windows: torch.Tensor, batch: int = 8, keep=(), attach: Attach | None = None,
+              ) -> Iterator[tuple[Node, Tape, dict[str, Tape]]]:
+        """Runs the trunk over `windows` [n, T], node by node; after each node yields (node, its output tape,
+        the tapes of `keep` so far). A tape is dropped once its last reader ran, unless kept."""
+        nodes = self.program.nodes[: self.trunk_end()]
+        later = self.program.nodes[self.trunk_end():]
+        last_use = {a: i for i, n in enumerate(nodes) for a in n.args}
+        needed = set(keep) | {a for n in later for a in n.args} | {self.program.inputs[0]}
+        room = [self.budget // 4]
+        ids = Tape(room)
+        for b in windows.split(batch):
+            ids.append(b.to(self.compute.device))
+        env = {self.program.inputs[0]: ids}
+        for i, node in enumerate(nodes):
+            m = self.module(node)
+            finish = attach(node, m) if attach else None
+            out = Tape(room)
+            for b in range(len(ids)):
+                out.append(self._apply(node, m, [env[a][b] for a in node.args]))
+            if finish:
+                finish()
+            env[node.name] = out
+            for a in node.args:
+                if last_use.get(a) == i and a not in needed:
+                    del env[a]
+            yield node, out, {k: env[k] for k in keep if k in env}
+
+    @torch.no_grad()
+    def outputs(self, windows: torch.Tensor, batch: int = 8, names=None,
+                attach: Attach | None = None) -> Iterator[tuple[slice, dict[str, torch.Tensor]]]:
+        """Per batch of rows of `windows`: {name: value} of `names` (default: the program's outputs; any SSA
+        value may be named)."""
+        names = tuple(names or self.program.outputs)
+        later = self.program.nodes[self.trunk_end():]
+        keep = {*names, *(a for n in later for a in n.args), self.program.inputs[0]}
+        env = {}
+        for _, _, env in self.sweep(windows, batch, keep=keep, attach=attach):
+            pass
+        mods = [self.module(n) for n in later]
+        finishes = [attach(n, m) for n, m in zip(later, mods)] if attach else []
+        start = 0
+        for b in range(len(env[self.program.inputs[0]])):
+            vals = {k: t[b] for k, t in env.items()}
+            for n, m in zip(later, mods):
+                vals[n.name] = self._apply(n, m, [vals[a] for a in n.args])
+            rows = len(vals[self.program.inputs[0]])
+            yield slice(start, start + rows), {k: vals[k] for k in names}
+            start += rows
+        for f in finishes:
+            if f:
+                f()
+
+    def __call__(self, input_ids: torch.Tensor):
+        """Like ProgramModule.forward: logits, or (logits, MTP logits) with a head."""
+        _, got = next(self.outputs(input_ids, batch=len(input_ids)))
+        outs = tuple(got.values())
+        return outs if len(outs) > 1 else outs[0]
+
+    def values(self, input_ids: torch.Tensor, *names):
+        _, got = next(self.outputs(input_ids, batch=len(input_ids), names=names))
+        return tuple(got.values()) if len(names) > 1 else got[names[0]]
+
+    def eval(self):
+        return self
+
+    def train(self, mode: bool = True):
+        return self
