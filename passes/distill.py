@@ -3,13 +3,26 @@
 Every part of a run is looked up by name in a registry that users extend the same way the built-ins
 are registered: loss terms (`register_loss`), data sources (`register_data`), optimiser/schedule
 factories (`register_optimizer`) and callbacks (`register_callback`). The loop itself is the shared one
-(`training.fit`): resumable from atomic checkpoints, and data-parallel under `torchrun` (DDP, gloo on CPU,
-NCCL on GPUs), where each process takes its slice of the same global batch. The forward runs in the pass's
+(`training.fit`): resumable from atomic checkpoints, and data-parallel under `torchrun` (gloo on CPU, NCCL
+on GPUs), where each process takes its slice of the same global batch. The forward runs in the pass's
 compute dtype (bf16 autocast by default on CUDA), the master weights, optimizer state and losses in float32.
+
+Scaling up (see `Distill`):
+
+- `shard=ddp` (and `auto`, today) replicates the student on every process (DDP); `shard=fsdp` shards it with
+  PyTorch FSDP2 (`shard_model`), the teacher the same way; its checkpoints are `torch.distributed.checkpoint`
+  directories that resume on any number of processes.
+- `accumulate=n` runs each process's slice of the global batch as n micro-batches (the same step).
+- `checkpointing=true` recomputes each block's activations in the backward (the same numbers, less memory).
+- `teacher_logits=DIR` stores the teacher's top-`topk` log-probabilities of every step's batch once
+  (`TeacherStore`), so training needs no teacher in memory.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import os
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -19,7 +32,7 @@ import torch.nn.functional as F
 
 from ..backends.torch.device import CPU, Compute
 from ..ir import Program
-from ..training import Schedule, distributed, fit
+from ..training import FileCheckpoint, Schedule, ShardedCheckpoint, barrier, distributed, fit
 from .core import ComputePass, PassError, Preserved, register
 
 # -- the registries ------------------------------------------------------------------------------------------
@@ -58,12 +71,17 @@ class Outputs:
 
 @dataclass
 class Batch:
-    """What a loss term sees: token ids [B, T + 1] (inputs are ids[:, :-1], targets ids[:, 1:])."""
+    """What a loss term sees: token ids [B, T + 1] (inputs are ids[:, :-1], targets ids[:, 1:]).
+
+    With stored teacher logits (`teacher_logits=`) the teacher's outputs are not there (`teacher.logits` is
+    None, no hidden states, no MTP logits); `teacher_topk` holds its top-k log-probabilities and their
+    vocabulary indices instead, each [B, T, k]."""
 
     ids: torch.Tensor
     student: Outputs
     teacher: Outputs
     temperature: float = 1.0
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -83,9 +101,29 @@ def soft_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperat
     return (t.exp() * (t - s)).sum(-1).mean() * temperature ** 2
 
 
+def topk_kl(values: torch.Tensor, indices: torch.Tensor, student_logits: torch.Tensor,
+            temperature: float) -> torch.Tensor:
+    """The KL term from the teacher's stored top-k: `values` its full-vocabulary log-probabilities at
+    `indices` [..., k]. The teacher's distribution is renormalised over its top k (softened by the
+    temperature there: exact, as softmax(logits / T) restricted to those tokens), the student's is its full
+    log_softmax gathered at the same indices:
+
+        sum_i p_i (log p_i - log q_i),  p = softmax(values / T) over the k,  q = softmax(student / T) over all
+
+    An approximation of KL(teacher || student): the teacher's mass outside its top k is dropped (the term
+    is still >= 0, and least when the student puts the teacher's top-k proportions on those tokens and
+    nothing elsewhere); with k = the vocabulary it is the full KL. Scaled by T^2 like `soft_kl`."""
+    t = F.log_softmax(values.float() / temperature, -1)
+    s = F.log_softmax(student_logits.float() / temperature, -1).gather(-1, indices.long())
+    return (t.exp() * (t - s)).sum(-1).mean() * temperature ** 2
+
+
 @register_loss("kl")
 def kl_loss(b: Batch) -> torch.Tensor:
-    """KL of the student's next-token distribution from the teacher's."""
+    """KL of the student's next-token distribution from the teacher's (from its stored top-k with
+    `teacher_logits=`: see `topk_kl`)."""
+    if b.teacher.logits is None and b.teacher_topk is not None:
+        return topk_kl(*b.teacher_topk, b.student.logits, b.temperature)
     return soft_kl(b.teacher.logits, b.student.logits, b.temperature)
 
 
@@ -172,14 +210,47 @@ def _lookup(table: dict, name: str, what: str, option: str):
     return table[name]
 
 
+def _reshard(*models) -> None:
+    """Frees the unsharded parameters FSDP keeps after a forward without a backward (an evaluation)."""
+    for m in models:
+        if m is not None and hasattr(m, "reshard"):
+            m.reshard()
+
+
+@torch.no_grad()
+def stored_agreement(student, windows: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
+                     batch: int = 8) -> dict:
+    """`evaluate.teacher_agreement` from the teacher's stored top-k on `windows` [n, T] (values, indices
+    [n, T, k]): the KL as `topk_kl` approximates it, top-1 agreement exactly (the top-k's first index is the
+    teacher's argmax)."""
+    kl, agree, count = 0.0, 0, 0
+    for i in range(0, len(windows), batch):
+        ids = windows[i:i + batch]
+        out = student(ids)
+        logits = (out[0] if isinstance(out, tuple) else out).float()
+        v, ix = values[i:i + batch].to(logits.device), indices[i:i + batch].to(logits.device).long()
+        t = F.log_softmax(v.float(), -1)
+        s = F.log_softmax(logits, -1)
+        kl += (t.exp() * (t - s.gather(-1, ix))).sum().item()
+        agree += (ix[..., 0] == s.argmax(-1)).sum().item()
+        count += ids.numel()
+    return {"kl": kl / count, "top1_agreement": agree / count}
+
+
 class Evaluator:
     """Every `every` steps: held-out KL and top-1 agreement with the teacher (and the MTP head's KL); keeps
     the best weights (least `metric`) and calls the user's `on_eval` callbacks. Its state is checkpointed
-    with the run, so a resumed run keeps the same best."""
+    with the run, so a resumed run keeps the same best.
 
-    def __init__(self, model, teacher, windows: torch.Tensor, every: int, metric: str, users: list):
+    `teacher` None: the teacher's stored top-k on the windows (`stored`: values, indices) stand in for it.
+    Under FSDP the best weights are the sharded state dict's clones (each process keeps its shards) and go
+    into the sharded checkpoint as such."""
+
+    def __init__(self, model, teacher, windows: torch.Tensor, every: int, metric: str, users: list,
+                 stored: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.model, self.teacher, self.windows, self.every, self.metric, self.users = \
             model, teacher, windows, every, metric, users
+        self.stored = stored
         self.evals: list[dict] = []
         self.best: dict | None = None
         self.best_weights: dict | None = None
@@ -190,12 +261,16 @@ class Evaluator:
 
         was = self.model.training
         self.model.eval()
-        m = teacher_agreement(self.teacher, self.model, self.windows)
-        if self.model.program.find("mtp") and self.teacher.program.find("mtp"):
-            kl = [soft_kl(self.teacher(ids)[1][:, 1:], self.model(ids)[1][:, 1:], 1.0).item()
-                  for ids in self.windows.split(8)]
-            m["mtp_kl"] = sum(kl) / len(kl)
+        if self.teacher is None:
+            m = stored_agreement(self.model, self.windows, *self.stored)
+        else:
+            m = teacher_agreement(self.teacher, self.model, self.windows)
+            if self.model.program.find("mtp") and self.teacher.program.find("mtp"):
+                kl = [soft_kl(self.teacher(ids)[1][:, 1:], self.model(ids)[1][:, 1:], 1.0).item()
+                      for ids in self.windows.split(8)]
+                m["mtp_kl"] = sum(kl) / len(kl)
         self.model.train(was)
+        _reshard(self.model, self.teacher)
         return m
 
     def on_step(self, step: int, parts: dict) -> bool:
@@ -214,7 +289,8 @@ class Evaluator:
         return stop
 
     def keep(self, m: dict) -> None:
-        """Remembers the current weights when `m` is the best evaluation so far."""
+        """Remembers the current weights when `m` is the best evaluation so far (sharded: this process's
+        shards)."""
         if self.best is None or m[self.metric] < self.best[self.metric]:
             self.best = m
             self.best_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -228,6 +304,269 @@ class Evaluator:
         for cb, s in zip(self.users, st["users"]):
             if s is not None:
                 cb.load_state_dict(s)
+
+
+# -- sharding, activation checkpointing ------------------------------------------------------------------------
+SHARDS = ("auto", "ddp", "fsdp")
+
+
+def _mtp_layers(model) -> list:
+    return [layer for n in model.program.nodes if n.op.kind == "mtp" for layer in model.get_submodule(n.path).layers]
+
+
+def checkpoint_blocks(model) -> None:
+    """Activation checkpointing: each residual block (the trunk's and the MTP head's) keeps only its input
+    in the forward and recomputes the rest in the backward (`torch.utils.checkpoint`, non-reentrant: the
+    same numbers, the RNG and autocast state replayed). Forward hooks (`_capture`) see each output once."""
+    from torch.utils.checkpoint import checkpoint
+
+    for m in [model.get_submodule(n.path) for n in model.program.blocks()] + _mtp_layers(model):
+        def run(*args, _forward=m.forward, **kw):
+            if not torch.is_grad_enabled():  # evaluation, the teacher: nothing to save for
+                return _forward(*args, **kw)
+            return checkpoint(_forward, *args, use_reentrant=False, **kw)
+        m.forward = run
+
+
+def shard_model(model, mesh) -> None:
+    """FSDP2 over `mesh`: one group per trunk block and per MTP-head block's mixer, then the root group
+    with everything else. Shared parameters stay whole in the root group: the embedding (which a tied LM
+    head and the MTP head use by reference), the LM head (the MTP head's too), the final norm, and the MTP
+    head's own fusion norms, projection and final norm, which its forward calls outside its blocks.
+    Parameters become this process's float32 shards (copies: the weight store is never written). A model
+    built on the meta device is loaded one group at a time, each group sharded before the next is read, so
+    a process never holds more than its shards and one block in full."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    has = lambda m: any(True for _ in m.parameters())
+    for n in model.program.blocks():
+        m = _loaded(model, n)
+        if has(m):
+            fully_shard(m, mesh=mesh)
+    for n in model.program.find("mtp"):
+        _loaded(model, n)
+    for layer in _mtp_layers(model):
+        if hasattr(layer, "mixer") and has(layer.mixer):
+            fully_shard(layer.mixer, mesh=mesh)
+    for n in model.program.nodes:
+        _loaded(model, n)
+    fully_shard(model, mesh=mesh)
+    # routed experts no token chose on some rank get no gradient there: every rank reduce-scatters a zero
+    # gradient for them instead, so the collectives match (as DDP's find_unused_parameters)
+    model.set_reduce_scatter_unused_params(True)
+    for name in ("values", "prefill", "decode"):  # called without forward(): FSDP must still gather the root
+        register_fsdp_forward_method(model, name)
+
+
+def _loaded(model, node):
+    """The node's module, its weights read from the program's store (in float32) if it is still on meta."""
+    from ..backends.torch import load_into
+
+    m = model.get_submodule(node.path)
+    if any(p.is_meta for p in m.parameters()):
+        train = any(p.requires_grad for p in m.parameters())
+        load_into(m, model.program.weights, "cpu", [node], node.path)
+        m.float().requires_grad_(train)
+    return m
+
+
+def _fsdp_available() -> None:
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: F401
+    except ImportError:
+        raise PassError(f"distill: shard=fsdp needs PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard), which "
+                        f"torch {torch.__version__} lacks; use shard=ddp or a newer torch") from None
+    if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        raise PassError(f"distill: shard=fsdp needs FSDPModule.set_reduce_scatter_unused_params (routed experts "
+                        f"without tokens) and torch {torch.__version__} lacks it; use shard=ddp or a newer torch")
+
+
+def _build(prog: Program, compute: Compute, mesh, train: bool, checkpointing: bool):
+    """The student (`train`: its own float32 copies of the weights) or the teacher (frozen), sharded over
+    `mesh` when there is one."""
+    from ..backends.torch import materialize
+
+    if mesh is None:
+        m = materialize(prog, dtype=torch.float32, compute=compute)
+        if train:
+            for param in m.parameters():  # the store's tensors are shared with the teacher and snapshots:
+                param.data = param.data.clone()  # training must update copies
+    else:  # on meta: shard_model reads one block at a time, shards it and moves the shards to the device
+        from ..backends.torch import ProgramModule
+
+        m = ProgramModule(prog, device="meta")
+        m.compute = compute
+    m.requires_grad_(train)
+    if train and checkpointing:
+        checkpoint_blocks(m)
+    if mesh is not None:
+        shard_model(m, mesh)
+    return m
+
+
+def full_state(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, the whole tensor) for the model's state dict, one tensor gathered at a time (sharded ones on
+    every process: a collective, so every process must iterate)."""
+    for name, t in model.state_dict().items():
+        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+# -- stored teacher logits ---------------------------------------------------------------------------------------
+CHUNK_BYTES = 256 << 20  # about this much per file of stored top-k (values float32 + indices int32)
+
+
+def _teacher_outputs(teacher_prog: Program, windows: torch.Tensor, compute: Compute,
+                     batch: int = 8) -> Iterator[tuple[slice, dict[str, torch.Tensor]]]:
+    """The teacher's next-token logits on `windows` [n, T], per batch of rows: (rows, {"logits": [b, T, V]}).
+    The one place the stored logits are computed: streamed layer by layer (`backends.torch.stream`), so the
+    teacher need not fit in memory; float32 weights like the live teacher's."""
+    from ..backends.torch.stream import StreamedProgram
+
+    net = StreamedProgram(teacher_prog, compute=compute, dtype=torch.float32)
+    name = teacher_prog.outputs[0]
+    for rows, got in net.outputs(windows, batch=batch, names=(name,)):
+        yield rows, {"logits": got[name]}
+
+
+def _topk_of(teacher_prog, windows, compute, k) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """(top-k log-probabilities [n, T, k] float32, their indices int32, next-token cross-entropy sum in
+    nats, positions counted) of the teacher on `windows`."""
+    values, indices, ce, count = [], [], 0.0, 0
+    for rows, got in _teacher_outputs(teacher_prog, windows, compute):
+        logp = F.log_softmax(got["logits"].float(), -1)
+        v, ix = logp.topk(k, dim=-1, sorted=True)
+        values.append(v.cpu())
+        indices.append(ix.to(torch.int32).cpu())
+        ids = windows[rows].to(logp.device)
+        ce -= logp[:, :-1].gather(-1, ids[:, 1:, None]).sum().item()
+        count += ids[:, 1:].numel()
+    return torch.cat(values), torch.cat(indices), ce, count
+
+
+def _save_atomic(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+class TeacherStore:
+    """A directory of the teacher's top-k next-token log-probabilities (of its full-vocabulary log_softmax)
+    for every step's global batch, computed once and reused by later runs (and by every process).
+
+    The sampler is deterministic from the seed, so the windows of step s are known ahead: files
+    `steps-<first>-<end>.safetensors` hold, for a chunk of steps, `ids` [n, batch, seq + 1] (checked against
+    what the sampler draws), `values` [n, batch, seq, k] float32 and `indices` int32; `eval.safetensors` the
+    same for the held-out windows (every position), with the teacher's bits per byte there. Each file is
+    written atomically (temp file, os.replace), so a directory a kill left half-written is completed, and
+    `meta.json` records what the logits are of (the teacher's parent_hash, seed, steps, batch, seq, topk,
+    data source): a directory of other settings is refused. Only the next-token logits are stored: the `cos`
+    (hidden states) and `mtp` (MTP logits) terms need the live teacher."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.meta = json.loads((self.path / "meta.json").read_text())
+        self._chunk: tuple[int, dict] | None = None
+
+    @staticmethod
+    def expected(d: Distill, teacher_hash: str, vocab: int) -> dict:
+        return {"format": 1, "teacher": teacher_hash, "seed": d.seed, "steps": d.steps,
+                "batch": d.batch, "seq": d.seq, "topk": min(d.topk, vocab), "source": d.source,
+                "data": list(d.data)}
+
+    @classmethod
+    def prepare(cls, path: Path, teacher_prog: Program, d: Distill, source: Source, compute: Compute,
+                rank: int = 0, world: int = 1, teacher_hash: str | None = None) -> TeacherStore:
+        """The directory for these settings, with every file written (the missing ones now: each process
+        computes every world-th chunk); a directory of other settings is refused."""
+        from .puzzle.library import parent_hash
+
+        path = Path(path)
+        vocab = teacher_prog.find("lm_head")[0].op.vocab if teacher_prog.find("lm_head") else None
+        if vocab is None:
+            raise PassError("distill: teacher_logits= needs the teacher's LM head (its vocabulary)")
+        want = cls.expected(d, teacher_hash or parent_hash(teacher_prog), vocab)
+        chunk = max(1, CHUNK_BYTES // max(1, d.batch * d.seq * want["topk"] * 8))
+        meta_file = path / "meta.json"
+        if meta_file.exists():
+            have = json.loads(meta_file.read_text())
+            short = lambda k, v: f"{v[:12]}..." if k == "teacher" and isinstance(v, str) else repr(v)
+            diff = [f"{k} {short(k, have.get(k))} there, {short(k, v)} here" for k, v in want.items()
+                    if have.get(k) != v]
+            if diff:
+                what = "another teacher" if have.get("teacher") != want["teacher"] else "other settings"
+                raise PassError(f"distill: teacher_logits={path} holds the top-k logits of {what} "
+                                f"({'; '.join(diff)}); use a new directory, or the settings it was written for")
+            chunk = have["chunk"]
+        elif rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            tmp = path / f".meta.json.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps({**want, "chunk": chunk, "vocab": vocab}, indent=1))
+            os.replace(tmp, meta_file)
+        path.mkdir(parents=True, exist_ok=True)
+        gen = torch.Generator().manual_seed(d.seed)  # the training loop's sampler, replayed
+        for c, first in enumerate(range(0, d.steps, chunk)):
+            end = min(d.steps, first + chunk)
+            ids = torch.stack([source.sample(gen) for _ in range(first, end)])  # [n, batch, seq + 1]
+            f = path / cls.chunk_name(first, end)
+            if c % world != rank or f.exists():
+                continue
+            v, ix, _, _ = _topk_of(teacher_prog, ids.reshape(-1, ids.shape[-1])[:, :-1], compute, want["topk"])
+            shape = (end - first, d.batch, d.seq, want["topk"])
+            _save_atomic({"ids": ids.to(torch.int32), "values": v.reshape(shape), "indices": ix.reshape(shape)}, f)
+        ev = path / "eval.safetensors"
+        if rank == world - 1 and not cls._eval_matches(ev, source.held_out):
+            v, ix, ce, count = _topk_of(teacher_prog, source.held_out, compute, want["topk"])
+            from ..evaluate import LN2
+
+            _save_atomic({"ids": source.held_out.to(torch.int32), "values": v, "indices": ix}, ev,
+                         {"teacher_bits_per_byte": repr(ce / count / LN2)})
+        barrier(world)
+        store = cls(path)
+        missing = [cls.chunk_name(f, min(d.steps, f + chunk)) for f in range(0, d.steps, chunk)
+                   if not (path / cls.chunk_name(f, min(d.steps, f + chunk))).exists()]
+        if missing:
+            raise PassError(f"distill: teacher_logits={path} lacks {missing[0]} after writing it; "
+                            "is the directory on a file system every process shares?")
+        return store
+
+    @staticmethod
+    def chunk_name(first: int, end: int) -> str:
+        return f"steps-{first:07d}-{end:07d}.safetensors"
+
+    @staticmethod
+    def _eval_matches(f: Path, windows: torch.Tensor) -> bool:
+        if not f.exists():
+            return False
+        from safetensors import safe_open
+
+        with safe_open(str(f), "pt") as h:
+            ids = h.get_tensor("ids")
+        return ids.shape == windows.shape and torch.equal(ids.long(), windows.long())
+
+    def step(self, step: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's (values, indices) [batch, seq, k] for step `step`'s global batch `ids`."""
+        from safetensors.torch import load_file
+
+        chunk = self.meta["chunk"]
+        first = step // chunk * chunk
+        if self._chunk is None or self._chunk[0] != first:
+            self._chunk = (first, load_file(str(self.path / self.chunk_name(first, min(self.meta["steps"],
+                                                                                         first + chunk)))))
+        got = self._chunk[1]
+        if not torch.equal(got["ids"][step - first].long(), ids.long()):
+            raise PassError(f"distill: teacher_logits={self.path}: the stored windows of step {step} are not "
+                            "the ones the sampler draws (did the data files change?); use a new directory")
+        return got["values"][step - first], got["indices"][step - first]
+
+    def held_out(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(values, indices) on the evaluation windows and the teacher's bits per byte there."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.path / "eval.safetensors"), "pt") as h:
+            bpb = float(h.metadata()["teacher_bits_per_byte"])
+            return h.get_tensor("values"), h.get_tensor("indices"), bpb
 
 
 def teacher_program(name: str, am) -> Program:
@@ -246,7 +585,6 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
             progress: bool = False, compute: Compute = CPU) -> dict:
     """Trains `prog`'s weights in place against `teacher_prog` on `compute`'s device and precision; returns
     the run's report."""
-    from ..backends.torch import materialize
     from ..evaluate import bits_per_byte
     from .puzzle.library import parent_hash
 
@@ -257,75 +595,154 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
         raise PassError(f"distill trains full-precision weights, but {quantized[0]} is quantized; "
                         "distill before the quantize pass")
     terms = parse_terms(d)
+    if d.teacher_logits:
+        for name, needs in (("cos", "hidden states"), ("mtp", "MTP-head logits")):
+            if name in terms:
+                raise PassError(f"distill: teacher_logits= stores only the teacher's next-token top-k, and the {name} "
+                                f"term needs its {needs}; set {name}=0 (or leave teacher_logits unset)")
+    shard = "fsdp" if d.shard == "fsdp" else "ddp"  # auto: DDP (the built-in and pruned children fit one device)
+    if shard == "fsdp":
+        _fsdp_available()
     rank, world = distributed()
     if d.batch % world:
         raise PassError(f"distill: batch={d.batch} must divide evenly over the {world} processes")
+    per_rank = d.batch // world
+    if d.accumulate > per_rank:
+        raise PassError(f"distill: accumulate={d.accumulate} micro-batches need a row each, and batch={d.batch} over "
+                        f"{world} process(es) gives {per_rank} rows per process; lower accumulate or raise batch")
+    if state_dir is not None:
+        other = {"ddp": state_dir / "distill_state.dcp", "fsdp": state_dir / "distill_state.pt"}[shard]
+        if other.exists():
+            raise PassError(f"distill: {state_dir} holds a {'ddp' if shard == 'fsdp' else 'fsdp'} run's checkpoint "
+                            f"({other.name}); resume it with shard={'ddp' if shard == 'fsdp' else 'fsdp'}, or use a "
+                            "new state directory")
     source = _lookup(DATA, d.source, "data source", "source")(d)
     schedule = _lookup(OPTIMIZERS, d.optimizer, "optimizer", "optimizer")(d)
     users = [_lookup(CALLBACKS, c, "callback", "callbacks")(d) for c in d.callbacks]
 
+    teacher_hash = parent_hash(teacher_prog)
+    store = None
+    if d.teacher_logits:  # before the student is built: the streamed teacher has the memory to itself
+        store = TeacherStore.prepare(Path(d.teacher_logits), teacher_prog, d, source, compute, rank, world,
+                                     teacher_hash)
     torch.manual_seed(d.seed)
-    student = materialize(prog, dtype=torch.float32, compute=compute)
-    teacher = materialize(teacher_prog, dtype=torch.float32, compute=compute)
-    teacher.requires_grad_(False)
-    for param in student.parameters():  # the store's tensors are shared with the teacher and snapshots:
-        param.data = param.data.clone()  # training must update copies
+    mesh = None
+    if shard == "fsdp" and world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(compute.device.type, (world,))
+    student = _build(prog, compute, mesh, train=True, checkpointing=d.checkpointing)
+    teacher = None if store else _build(teacher_prog, compute, mesh, train=False, checkpointing=False)
     head = [n.path for n in prog.nodes if n.op.kind == "mtp"]
     if d.head_only:
         if not head:
             raise PassError("distill: head_only=true trains the MTP head, and this model has none")
         for name, p in student.named_parameters():  # the head's own tensors; embedding and LM head stay
             p.requires_grad_(name.startswith(head[0] + "."))
-    net = student
-    if world > 1:
+    net, no_sync = student, None
+    if shard == "ddp" and world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [compute.device.index] if compute.device.type == "cuda" else None
         net = DistributedDataParallel(student, device_ids=ids, find_unused_parameters=True)  # unrouted experts
+        no_sync = net.no_sync  # micro-batches before the last: one all-reduce per step
+    # (FSDP reduce-scatters every micro-batch's gradients: accumulating them unsharded would undo the sharding)
     s_seen, s_undo = _capture(student)
-    t_seen, t_undo = _capture(teacher)
+    t_seen, t_undo = _capture(teacher) if teacher is not None else ([], lambda: None)
     gen = torch.Generator().manual_seed(d.seed)
-    rows = slice(rank * d.batch // world, (rank + 1) * d.batch // world)
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    micro = [(int(r[0]), int(r[-1]) + 1) for r in torch.arange(per_rank).tensor_split(d.accumulate)]
+    current: dict = {}
 
-    def step_loss(step: int):
-        ids = source.sample(gen)[rows].to(compute.device)  # every process draws the same global batch, keeps its slice
+    def step_loss(step: int, k: int = 0):
+        if k == 0:  # every process draws the same global batch and keeps its slice
+            ids = source.sample(gen)
+            current["ids"] = ids[rows].to(compute.device)
+            if store is not None:
+                v, ix = store.step(step, ids)
+                current["topk"] = (v[rows].to(compute.device), ix[rows].to(compute.device))
+        lo, hi = micro[k]
+        ids = current["ids"][lo:hi]
         x = ids[:, :-1]
-        with torch.no_grad():
-            t_out = _outputs(teacher, t_seen, x)
-        b = Batch(ids, _outputs(net, s_seen, x), t_out, d.temperature)
+        if store is None:
+            with torch.no_grad():
+                t_out, topk = _outputs(teacher, t_seen, x), None
+        else:
+            t_out, topk = Outputs(None, None, []), tuple(t[lo:hi] for t in current["topk"])
+        b = Batch(ids, _outputs(net, s_seen, x), t_out, d.temperature, topk)
         parts = {name: LOSSES[name](b) for name in terms}
+        share = (hi - lo) / per_rank  # the micro-batch's part of the step's mean: the shares sum to 1
         loss = sum(w * parts[n] for n, w in terms.items())
-        return loss, {n: v.item() for n, v in parts.items()}
+        if d.accumulate > 1:
+            loss = loss * share
+        return loss, {n: v.item() * share for n, v in parts.items()}
 
     metric = "mtp_kl" if d.head_only else "kl"
-    ev = Evaluator(student, teacher, source.held_out, d.eval_every, metric, users)
-    before = {**ev.measure(), "bits_per_byte": bits_per_byte(student, source.held_out)}
-    ev.keep({"step": 0, **before})  # the starting point competes too: distillation must earn its keep
+    stored_eval = None
+    if store is not None:
+        *stored_eval, teacher_bpb = store.held_out()
+    ev = Evaluator(student, teacher, source.held_out, d.eval_every, metric, users, stored_eval)
     identity = {**d.options(), "callbacks": list(d.callbacks), "student": parent_hash(prog),
-                "teacher": parent_hash(teacher_prog)}  # not the process count: the global batch is the same
-    for option in ("eval_windows", "device"):  # neither changes what is trained: a run may resume elsewhere
+                "teacher": teacher_hash}  # not the process count: the global batch is the same
+    identity["teacher_logits"] = bool(d.teacher_logits)  # what it holds is checked by its meta.json, not where
+    if not d.teacher_logits:
+        identity.pop("topk")
+    # none of these changes what is trained (the same global batch, the same numbers): a run may resume
+    # elsewhere, on another number of devices, with more micro-batches or recomputed activations
+    for option in ("eval_windows", "device", "shard", "accumulate", "checkpointing"):
         identity.pop(option, None)
-    try:
-        run = fit(student, step_loss, schedule, rng=gen, every=d.checkpoint_every, identity=identity,
-                  state_file=None if state_dir is None else state_dir / "distill_state.pt", write=rank == 0,
-                  desc="distill", progress=progress, callbacks=[ev])
-    finally:
-        s_undo(), t_undo()
-    after = ev.measure()
-    if d.keep_best and ev.best is not None and ev.best[metric] < after[metric]:
-        student.load_state_dict(ev.best_weights)
+    if state_dir is None:
+        checkpoint = None
+    elif shard == "fsdp":
+        checkpoint = ShardedCheckpoint(state_dir / "distill_state.dcp")
+    else:
+        checkpoint = FileCheckpoint(state_dir / "distill_state.pt", write=rank == 0)
+    with warnings.catch_warnings():
+        # FSDP2 warns of blocks returning views (their decode states): nothing here changes them in place
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        before = {**ev.measure(), "bits_per_byte": bits_per_byte(student, source.held_out)}
+        _reshard(student)
+        ev.keep({"step": 0, **before})  # the starting point competes too: distillation must earn its keep
+        try:
+            run = fit(student, step_loss, schedule, rng=gen, every=d.checkpoint_every, identity=identity,
+                      checkpoint=checkpoint, desc="distill", progress=progress and rank == 0, callbacks=[ev],
+                      micro=d.accumulate, no_sync=no_sync, zero_unused=shard == "fsdp" and world == 1)
+        finally:
+            s_undo(), t_undo()
         after = ev.measure()
-    for name, t in student.state_dict().items():
-        prog.weights.set(name, t.detach().clone().to("cpu", prog.weights.get(name).dtype))
-    after["bits_per_byte"] = bits_per_byte(student, source.held_out)
+        if d.keep_best and ev.best is not None and ev.best[metric] < after[metric]:
+            student.load_state_dict(ev.best_weights)
+            after = ev.measure()
+        for name, t in full_state(student):  # whole tensors on every process: later passes run on each
+            prog.weights.set(name, t.detach().clone().to("cpu", prog.weights.dtype(name)))
+            prog.weights.spill_over(compute.budget // 4)  # past the budget, to scratch files as they come
+        after["bits_per_byte"] = bits_per_byte(student, source.held_out)
+        if teacher is not None:
+            teacher_bpb = bits_per_byte(teacher, source.held_out)
+        _reshard(student, teacher)
     return {"steps": run.step, "resumed_from": run.resumed_from, "stopped": run.stopped, "terms": terms,
-            "before": before, "after": after, "teacher_bits_per_byte": bits_per_byte(teacher, source.held_out),
+            "before": before, "after": after, "teacher_bits_per_byte": teacher_bpb, "shard": shard,
             "evals": ev.evals, "best": ev.best, "log": run.log, "seconds": round(run.seconds, 2)}
 
 
 @register("distill")
 class Distill(ComputePass):
-    """Recover quality by knowledge distillation from a teacher (a snapshot or a checkpoint path)."""
+    """Recover quality by knowledge distillation from a teacher (a snapshot or a checkpoint path).
+
+    Under `torchrun` each process takes its slice of the same global `batch` (so the result does not depend
+    on the process count). `shard`: `ddp` replicates the student on every process and all-reduces the
+    gradients (DDP); `fsdp` shards parameters, gradients and optimizer state (float32 master weights) over
+    the processes with FSDP2, and the teacher's parameters too, for a model one device cannot train; its
+    checkpoints (`state=`) are sharded and resume on any number of processes; with one process it runs
+    unsharded through the same loop and checkpoint format. `auto` is ddp for now (the models puzzlekit
+    distills fit one device; choose fsdp explicitly). `accumulate=n` splits each process's rows into n
+    micro-batches with one optimizer step (the same step as one big batch); `checkpointing=true`
+    recomputes block activations in the backward. `teacher_logits=DIR` computes the teacher's top-`topk`
+    next-token log-probabilities for every step once (streamed layer by layer), stores them in DIR, and
+    trains from them without a teacher in memory: the KL is then over the teacher's renormalised top-k
+    (`topk_kl`; exact at topk = vocabulary), and the cos and mtp terms, which need the live teacher, must be
+    set to 0. Neither `shard`, `accumulate` nor `checkpointing` is part of what a resumed run must match.
+    """
 
     teacher: str = "teacher"
     steps: int = 200
@@ -350,8 +767,21 @@ class Distill(ComputePass):
     checkpoint_every: int = 50
     seed: int = 0
     head_only: bool = False  # train only the MTP head's own weights (after the trunk is final)
+    # scaling up: how the student is spread over the torchrun processes (auto: ddp; see below)
+    shard: str = "auto"
+    checkpointing: bool = False  # recompute each block's activations in the backward (less memory, same numbers)
+    accumulate: int = 1  # micro-batches per step: each process's rows of the global batch in this many parts
+    teacher_logits: str = ""  # a directory of the teacher's stored top-k logits ("": run the teacher live)
+    topk: int = 64  # how many of the teacher's log-probabilities per token teacher_logits stores
     minimum: ClassVar[dict] = {"steps": 1, "batch": 1, "seq": 2, "eval_every": 1, "eval_windows": 1,
-                               "checkpoint_every": 1, "warmup": 0, "lr": 1e-12, "temperature": 1e-6}
+                               "checkpoint_every": 1, "warmup": 0, "lr": 1e-12, "temperature": 1e-6,
+                               "accumulate": 1, "topk": 1}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.shard not in SHARDS:
+            raise PassError(f"pass 'distill': shard={self.shard!r} is not one of {', '.join(SHARDS)} (ddp: a replica "
+                            "per process; fsdp: parameters, gradients and optimizer state sharded over them)")
 
     def run(self, prog, am):
         state_dir = None

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..errors import PuzzlekitError, UsageError
-from ..memory import return_freed_memory
+from ..memory import parse_size, return_freed_memory
 from ..outputs import OutputError, check_output
 from .puzzle import add_parser as add_library_parser
 from .puzzle import EXTENDED_HELP, add_plan_parser
@@ -181,7 +181,8 @@ def _run(args) -> int:
         "input_provenance": prog.meta.get("config", {}).get("provenance"),
         **({"plan": prog.meta["plan"]} if prog.meta.get("plan") else {}),
     }
-    ir.save(prog, out, overwrite=args.overwrite, extended=args.extended)
+    shard = min(5 * 2**30, parse_size(args.max_memory) // 4) if args.max_memory else 5 * 2**30  # one shard is held
+    ir.save(prog, out, overwrite=args.overwrite, extended=args.extended, max_shard_bytes=shard)
     after = prog.param_counts()
     text = "".join(f"{t * 1000:9.1f} ms  {name}\n" for name, t in ins.timings)
     text += f"params {before['total']:,} -> {after['total']:,} (active {before['active']:,} -> {after['active']:,})\n"

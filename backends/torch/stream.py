@@ -3,12 +3,11 @@
 A node's module is built and its weights read from the store (lazily, from the checkpoint) when it runs;
 modules are kept while the weights kept by every stream of the process fit half the budget, and the rest are
 read again when next used: layers are visited in order, again and again (every sweep, every layer scored),
-and for such scans keeping a fixed set beats evicting the least recently used (which would keep none of
-the layers that come next). `sweep` runs the
-trunk node-major, every window through one node before the next node is read, so each layer is read once
-per sweep, and keeps each value as a `Tape` of per-batch tensors that spills to scratch files past a quarter
-of the budget. The nodes after the last block (final norm, LM head, MTP head) then run batch by batch, so
-logits are never held for more than one batch.
+and for such scans keeping a fixed set beats evicting the least recently used (which would keep none of the
+layers that come next). `sweep` runs the trunk node-major, every window through one node before the next
+node is read, so each layer is read once per sweep, and keeps each value as a `Tape` of per-batch tensors in
+host memory that spills to scratch files past a quarter of the budget. The nodes after the last block (final
+norm, LM head, MTP head) then run batch by batch, so logits are never held for more than one batch.
 
 `StreamedProgram` answers like `ProgramModule` for what evaluation and the passes use: `outputs(windows)`,
 a call on one batch, `values`, `get_submodule` of a node, `program` and `compute`.
@@ -31,8 +30,8 @@ Attach = Callable[[Node, nn.Module], Callable[[], None] | None]
 
 
 class Tape:
-    """One value for every batch of windows: in memory up to `room` bytes (shared by the tapes of one
-    sweep), past it in scratch files read back on use."""
+    """One value for every batch of windows, kept in host memory up to `room` bytes (shared by the tapes of
+    one sweep), past it in scratch files; read back onto the device it came from."""
 
     def __init__(self, room: list[int]):
         self._items: list = []
@@ -40,33 +39,31 @@ class Tape:
 
     def append(self, t: torch.Tensor) -> None:
         n = t.numel() * t.element_size()
+        host = t.detach().cpu()
         if n <= self._room[0]:
             self._room[0] -= n
-            self._items.append(t)
+            self._items.append((host, t.device))
             return
         f = scratch_file(".safetensors")
-        save_file({"t": t.detach().contiguous().cpu()}, str(f))
+        save_file({"t": host.contiguous()}, str(f))
         self._items.append((f, t.device))
 
     def __len__(self) -> int:
         return len(self._items)
 
     def __getitem__(self, b: int) -> torch.Tensor:
-        item = self._items[b]
-        if isinstance(item, torch.Tensor):
-            return item
-        f, device = item
-        return load_file(str(f))["t"].to(device)
+        held, device = self._items[b]
+        return (held if isinstance(held, torch.Tensor) else load_file(str(held))["t"]).to(device)
 
     def cat(self) -> torch.Tensor:
         return torch.cat([self[b] for b in range(len(self))])
 
     def __del__(self):
-        for item in self._items:
-            if isinstance(item, torch.Tensor):
-                self._room[0] += item.numel() * item.element_size()
+        for held, _ in self._items:
+            if isinstance(held, torch.Tensor):
+                self._room[0] += held.numel() * held.element_size()
             else:
-                item[0].unlink(missing_ok=True)
+                held.unlink(missing_ok=True)
         self._items = []
 
 
@@ -85,10 +82,12 @@ class StreamedProgram:
     def __init__(self, prog: Program, compute: Compute = CPU, dtype: torch.dtype | None = None):
         self.program, self.compute, self.dtype = prog, compute, dtype
         self.budget = compute.budget
+        #: room for kept modules: half the budget, and on a GPU at most half of its free memory
+        self.room = self.budget // 2
+        if compute.device.type == "cuda":
+            self.room = min(self.room, torch.cuda.mem_get_info(compute.device)[0] // 2)
         self._cache: dict[str, tuple[nn.Module, int]] = {}
-        self._blocks = {n.path: i for i, n in enumerate(prog.blocks())}
         self.reads = 0  # modules built from the store (a measure of the weight traffic, for tests and benchmarks)
-        self.training = False
 
     # -- modules -----------------------------------------------------------------------------------------------
     def module(self, node: Node | str) -> nn.Module:
@@ -96,7 +95,7 @@ class StreamedProgram:
         node = self.program.node(node) if isinstance(node, str) else node
         if node.path in self._cache:
             return self._cache[node.path][0]
-        with torch.device(self.compute.device):
+        with torch.device("meta"):  # no initialisation: every tensor is assigned from the store
             m = node.op.build()
         load_into(m, self.program.weights, self.compute.device, [node], node.path)
         if self.dtype is not None:
@@ -109,7 +108,7 @@ class StreamedProgram:
         m.eval().requires_grad_(False)
         self.reads += 1
         size = module_bytes(m)
-        if _kept[0] + size <= self.budget // 2:
+        if _kept[0] + size <= self.room:
             self._cache[node.path] = (m, size)
             _kept[0] += size
         return m
@@ -207,9 +206,3 @@ class StreamedProgram:
     def values(self, input_ids: torch.Tensor, *names):
         _, got = next(self.outputs(input_ids, batch=len(input_ids), names=names))
         return tuple(got.values()) if len(names) > 1 else got[names[0]]
-
-    def eval(self):
-        return self
-
-    def train(self, mode: bool = True):
-        return self
