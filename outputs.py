@@ -52,8 +52,8 @@ def check_output(out, inputs: Iterable = (), overwrite: bool = False, need_bytes
     if out.exists() and not out.is_dir():
         raise OutputError(f"output {out} is a file; the output must be a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputError(f"output {out} exists and is not empty; pass --overwrite to replace it "
-                          "(or overwrite=True), or choose another directory")
+        raise OutputError(f"output {out} exists and is not empty; pass --overwrite to replace it, or choose another "
+                          "directory")
     base = _existing_ancestor(out.parent)
     if not base.is_dir():
         raise OutputError(f"output {out} lies below {base}, which is a file, not a directory")

@@ -58,7 +58,8 @@ def test_output_rules(tmp_path, capsys):
     assert main(["run", "-p", "verify", "-o", str(out)]) == 0
     before = (out / "model.safetensors").read_bytes()
     assert main(["run", "-p", "set-topk{k=1}", "-o", str(out)]) == 2
-    assert "--overwrite" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "overwrite=True" not in err  # the CLI's spelling, not the Python API's
     assert (out / "model.safetensors").read_bytes() == before
     assert main(["run", str(out), "-p", "verify", "-o", str(out), "--overwrite"]) == 2
     assert "would replace the input" in capsys.readouterr().err
@@ -103,6 +104,10 @@ def test_readme_plugin_example_runs(tmp_path):
     assert all(n.op.top_k == 1 for n in ir.load(out).blocks("moe"))
     rc, stdout, _ = cli("passes", "--plugin", "my_passes", env={"PYTHONPATH": str(tmp_path)})
     assert "cap-topk{k: int = 8}" in stdout
+    rc, stdout, _ = cli("passes", "--plugin", str(tmp_path / "my_passes.py"))  # a path to the file works too
+    assert rc == 0 and "cap-topk{k: int = 8}" in stdout
+    rc, _, err = cli("passes", "--plugin", str(tmp_path / "missing.py"))
+    assert rc == 2 and "no such file" in err
     # the Python API, with the same module
     sys.path.insert(0, str(tmp_path))
     try:
@@ -125,3 +130,19 @@ def test_cost_json_has_the_documented_keys(capsys):
     assert out["scenario"]["kv_dtype"] == "fp8" and out["by_kind"]["moe"]["count"] == 23
     assert main(["cost", "--target", "h300"]) == 1
     assert "unknown target 'h300'" in capsys.readouterr().err
+
+
+def test_cost_of_an_infeasible_target_prints_the_figures_and_exits_1(capsys):
+    assert main(["cost", "nemotron-3-super-120b-a12b", "--target", "h100", "--scenario", "long-1m", "--json"]) == 1
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)  # the figures are still there
+    assert out["max_concurrency"] == 0 and out["infeasible"].startswith("memory")
+    assert "infeasible: memory" in captured.err
+
+
+def test_pricing_w4a4_nvfp4_on_hopper_warns(capsys):
+    assert main(["cost", "nemotron-3-nano-30b-a3b", "--target", "h100", "--recipe", "nvfp4", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "no FP4 tensor cores" in err and "nvfp4-weight" in err
+    assert main(["cost", "nemotron-3-nano-30b-a3b", "--target", "b200", "--recipe", "nvfp4", "--json"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -145,3 +145,23 @@ def test_a_rank_whose_loss_diverges_ends_the_run_on_both(tmp_path):
     assert p.stderr.count("training diverged at step 1") == 2, p.stderr[-3000:]  # each rank says so, and ends
     assert "not finite on another rank" in p.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_threads_follow_the_model_size_and_the_cpus_this_process_may_use(monkeypatch):
+    from puzzlekit.backends.torch import device
+
+    monkeypatch.setattr(device, "cpus", lambda: 4)
+    assert device.threads_for(1_000_000) == 1  # the built-in model: one thread
+    assert device.threads_for(50_000_000) == 2 and device.threads_for(10**11) == 4  # never more than allowed
+    assert device.threads_for(1_000_000, requested=3) == 3
+    with pytest.raises(device.DeviceError, match="--threads"):
+        device.threads_for(1, requested=-1)
+
+
+def test_commands_set_the_threads_they_choose():
+    """The built-in model gets one thread; --threads overrides."""
+    for argv, want in ((["inspect", "--json"], 1), (["cost", "--target", "h100", "--threads", "2", "--json"], 2)):
+        code = (f"import torch, sys; from puzzlekit.tools.cli import main; rc = main({argv!r}); "
+                "sys.stderr.write(f'threads {torch.get_num_threads()} rc {rc}')")
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert p.stderr.strip().endswith(f"threads {want} rc 0"), p.stderr

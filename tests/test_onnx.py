@@ -188,11 +188,24 @@ def test_program_without_decode_state_exports(tmp_path):
     assert np.array_equal(got, seq.numpy())
 
 
+def test_generate_with_onnx_refuses_an_fp4_model_before_exporting(tmp_path, capsys):
+    from puzzlekit.tools.cli import main
+
+    prog = load_default()
+    PassManager("quantize{recipe=nvfp4,samples=1,seq=16}").run(prog)
+    ir.save(prog, tmp_path / "fp4", extended=True)
+    assert main(["generate", str(tmp_path / "fp4"), "--prompt", "x", "--backend", "onnx"]) == 2
+    err = capsys.readouterr().err
+    assert "onnxruntime has no FP4 kernels" in err and "--backend torch" in err
+
+
 @pytest.mark.slow  # two full exports: about two minutes on 2 cores
-def test_cli_export_and_generate(tmp_path, capsys):
+def test_cli_export_and_generate(tmp_path, capsys, monkeypatch):
     import json
 
     from puzzlekit.tools.cli import main
+
+    monkeypatch.setenv("PUZZLEKIT_CACHE", str(tmp_path / "cache"))
     assert main(["export-onnx", "-o", str(tmp_path / "o"), "--target", "h100", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert PREFILL in rep["files"] and not [f for f in rep["findings"] if f["severity"] == "error"]
@@ -203,3 +216,8 @@ def test_cli_export_and_generate(tmp_path, capsys):
         assert main(["generate", "--prompt", "def ", "--max-new-tokens", "24", "--backend", backend, "--json"]) == 0
         outs[backend] = json.loads(capsys.readouterr().out)
     assert outs["torch"]["tokens"] == outs["onnx"]["tokens"] and len(outs["torch"]["tokens"]) == 4 + 24
+    cached = list((tmp_path / "cache" / "onnx").glob("*/prefill.onnx"))
+    assert len(cached) == 1
+    stamp = cached[0].stat().st_mtime_ns
+    assert main(["generate", "--prompt", "def ", "--max-new-tokens", "4", "--backend", "onnx"]) == 0
+    assert cached[0].stat().st_mtime_ns == stamp  # the second call reuses the export

@@ -229,6 +229,23 @@ def test_validate_script_runs_the_golden_loop_and_catches_a_mismatch(fp32_bundle
     assert r.returncode == 1 and "decode 3 logits" in r.stderr
 
 
+def test_validate_script_off_its_gpu_says_what_to_do_in_one_line(fp32_bundle):
+    """This machine has no CUDA GPU: the engines cannot run here, and the script says so (no traceback)."""
+    out, _ = fp32_bundle
+    r = subprocess.run([sys.executable, "validate.py"], cwd=out, capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "no CUDA GPU here" in r.stderr and "--runtime onnxruntime" in r.stderr and "sm_120" in r.stderr
+
+
+def test_the_bundle_readme_says_whether_the_engines_are_built(fp32_bundle):
+    out, rep = fp32_bundle
+    text = (out / "README.md").read_text()
+    if rep.engines:  # built here (TensorRT-RTX installed): nothing left to build
+        assert "were built when this bundle was written" in text and "nothing to build" in text
+    else:
+        assert "python build_engines.py" in text and "were built" not in text
+
+
 def test_build_script_refuses_another_gpu(fp32_bundle):
     out, _ = fp32_bundle
     spec = importlib.util.spec_from_file_location("bundle_build_engines", out / "build_engines.py")

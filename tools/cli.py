@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -56,6 +57,9 @@ def add_compute_arguments(parser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="the forward's precision (auto: bfloat16 on CUDA, float32 on CPU); weights, optimizer "
                              "state and losses stay float32")
+    parser.add_argument("--threads", type=int, default=0, metavar="N",
+                        help="CPU threads per process (default: one per 20M parameters, at most the CPUs this "
+                             "process may use)")
     parser.add_argument("--max-memory", default="", metavar="SIZE",
                         help="host memory for weights and activations, e.g. 24GB (default: half of what is available); "
                              "a larger model is run layer by layer from its checkpoint")
@@ -72,13 +76,28 @@ def _emit(args, data: dict, text: str) -> None:
     print(json.dumps(data, indent=2) if args.json else text, end="" if not args.json and text.endswith("\n") else "\n")
 
 
+def _import_plugin(m: str) -> None:
+    """A module name, or the path of a `.py` file (imported under its file name)."""
+    if not m.endswith(".py"):
+        importlib.import_module(m)
+        return
+    f = Path(m)
+    if not f.is_file():
+        raise UsageError(f"cannot import plugin {m!r}: no such file")
+    spec = importlib.util.spec_from_file_location(f"puzzlekit_plugin_{f.stem}", f)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
 def _load_plugins(modules: list[str]) -> None:
-    """Imports each --plugin module; whatever goes wrong in one is reported as that plugin's fault (exit 2)."""
+    """Imports each --plugin (a module, or a path to a .py file); whatever goes wrong in one is reported as
+    that plugin's fault (exit 2)."""
     if modules and "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")  # like `python -m`: a plugin module in the current directory is found
     for m in modules or []:
         try:
-            importlib.import_module(m)
+            _import_plugin(m)
         except ModuleNotFoundError as e:
             if e.name and (m == e.name or m.startswith(e.name + ".")):
                 raise UsageError(f"cannot import plugin {m!r}: {e}; is it on PYTHONPATH?") from None
@@ -86,6 +105,8 @@ def _load_plugins(modules: list[str]) -> None:
         except SyntaxError as e:
             raise UsageError(f"cannot import plugin {m!r}: syntax error in {e.filename}, line {e.lineno}: "
                              f"{e.msg}") from e
+        except UsageError:
+            raise
         except SystemExit as e:
             raise UsageError(f"cannot import plugin {m!r}: it called sys.exit({e.code!r}) while being imported") from e
         except Exception as e:
@@ -93,10 +114,14 @@ def _load_plugins(modules: list[str]) -> None:
 
 
 def _model(args):
+    """The command's model, with the CPU threads chosen for its size (--threads overrides)."""
     from .. import ir
+    from ..backends.torch.device import use_threads
     from .default_model import model_path
 
-    return ir.load(model_path(args.model))
+    prog = ir.load(model_path(args.model))
+    use_threads(prog.param_counts()["total"], getattr(args, "threads", 0))
+    return prog
 
 
 # -- commands ----------------------------------------------------------------------------------------------
@@ -244,6 +269,23 @@ def _eval(args) -> int:
     return 0
 
 
+def warn_unrunnable_recipe(recipe: str | None, targets) -> None:
+    """Prices a recipe the GPU cannot run (W4A4 NVFP4 on Hopper) with a warning on stderr saying what it does
+    there, rather than without a word (build-engine and quantize refuse it)."""
+    from ..backends.targets import get_target
+    from ..ir.quant.recipe import get_recipe
+
+    if not recipe:
+        return
+    for name in targets:
+        t = get_target(name)
+        if t.kind == "gpu" and any(r.format == "nvfp4" for r in get_recipe(recipe).rules) and not t.supports("nvfp4"):
+            print(f"warning: recipe {recipe!r} computes in NVFP4 (W4A4), which {t.name} cannot: it has no FP4 tensor "
+                  "cores, and build-engine and quantize refuse it there. On Hopper NVFP4 weights are only storage "
+                  "(recipe nvfp4-weight: dequantised to FP8/BF16 for every matmul); these figures assume FP4 "
+                  f"kernels. Price `--recipe fp8` or `--recipe nvfp4-weight` for {t.name}", file=sys.stderr)
+
+
 def _cost(args) -> int:
     from ..backends.cost import cost
     from ..backends.measured import MeasuredProvider
@@ -252,6 +294,7 @@ def _cost(args) -> int:
 
     compute = compute_of(args)
     prog = _model(args)
+    warn_unrunnable_recipe(args.recipe, [args.target])
     measured = MeasuredProvider(compute=compute) if get_target(args.target).kind == "cpu" else None
     r = cost(prog, args.target, args.scenario, provider=measured, recipe=args.recipe, gpus=args.gpus,
              concurrency=args.concurrency, mtp_resident=args.mtp or None)
@@ -279,6 +322,9 @@ def _cost(args) -> int:
     if r.infeasible:
         tail += f"infeasible: {r.infeasible}\n"
     _emit(args, r.to_json(), head + table + tail)
+    if r.infeasible:  # the figures are printed (and in --json); the exit status says the target is not met
+        print(f"puzzlekit cost: infeasible: {r.infeasible}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -362,6 +408,19 @@ def _greedy(prefill, decode, n: int, logits_of, model=None):
     return np.stack(new, axis=1)
 
 
+def _cached_onnx(prog) -> Path:
+    """The program's ONNX export, made once per program (keyed by its hash: text and weights) under
+    $PUZZLEKIT_CACHE/onnx (default ~/.cache/puzzlekit/onnx), so that generate does not export on every call."""
+    from ..backends.onnx import export_onnx
+    from ..passes.puzzle.library import parent_hash
+
+    root = Path(os.environ.get("PUZZLEKIT_CACHE", Path.home() / ".cache" / "puzzlekit")) / "onnx"
+    d = root / parent_hash(prog)[:32]
+    if not (d / "prefill.onnx").exists():  # the export is staged and renamed into place: complete or absent
+        export_onnx(prog, d)
+    return d
+
+
 def _generate(args) -> int:
     import numpy as np
     import torch
@@ -378,14 +437,15 @@ def _generate(args) -> int:
     if prompt.size == 0:
         raise UsageError("the prompt is empty")
     if args.backend == "onnx":
-        import tempfile
+        from ..backends.onnx import OnnxModel
 
-        from ..backends.onnx import OnnxModel, export_onnx
-
-        with tempfile.TemporaryDirectory() as d:
-            export_onnx(prog, Path(d) / "onnx")
-            om = OnnxModel(Path(d) / "onnx")
-            new = _greedy(lambda: om.prefill(prompt), om.decode, args.max_new_tokens, lambda outs: outs["logits"])
+        fp4 = sorted({f for n in prog.nodes for _, f in n.op.quant if f.startswith("nvfp4")})
+        if fp4:
+            raise UsageError(f"--backend onnx: the model is quantized with {', '.join(fp4)}, and onnxruntime has no FP4 "
+                             "kernels (its FP4 ops are TensorRT's); use --backend torch, or build engines for an FP4 "
+                             "GPU with build-engine")
+        om = OnnxModel(_cached_onnx(prog))
+        new = _greedy(lambda: om.prefill(prompt), om.decode, args.max_new_tokens, lambda outs: outs["logits"])
     else:
         m = materialize(prog, compute=compute)
         with torch.no_grad():
@@ -495,7 +555,8 @@ def parser() -> argparse.ArgumentParser:
         add_compute_arguments(cmd)
     for cmd in (s, r):
         cmd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
-                         help="import MODULE first (it may register passes); repeatable")
+                         help="import MODULE (a module name or a path to a .py file) first; it may register "
+                              "passes; repeatable")
     for cmd in (i, s, r, t, e, c, x, be, g, lb, pl, cp, rp):
         cmd.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return p

@@ -80,6 +80,7 @@ def compress(args, progress: bool = True) -> dict:
     """Runs every stage that has not finished; returns the summary (also OUT/work/summary.json)."""
     from .. import ir
     from ..backends.cost import CostModel, get_scenario
+    from ..backends.torch.device import use_threads
     from ..errors import read_text
     from ..passes import Instrumentation, PassManager, parse_pipeline, print_pipeline, resolve_pipeline
     from ..passes.pipeline import PIPELINES_DIR
@@ -99,6 +100,7 @@ def compress(args, progress: bool = True) -> dict:
     text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
     passes = parse_pipeline(resolve_pipeline(text))
     parent = ir.load(src)
+    use_threads(parent.param_counts()["total"], args.threads)
     CostModel(parent, args.target, get_scenario(args.scenario)).check_priceable(args.context)
     out.mkdir(parents=True, exist_ok=True)  # once the options make a pipeline the target can price
     prog = parent.copy()

@@ -80,7 +80,7 @@ def run_plan(args) -> int:
     from ..ir.printer import format_table
     from ..passes.puzzle import Library
     from ..passes.puzzle.search import Search
-    from .cli import UsageError, _emit
+    from .cli import UsageError, _emit, warn_unrunnable_recipe
 
     lib = Library.open(args.library)
     parent = ir.load(args.parent or lib.manifest["parent"]["source"])
@@ -89,6 +89,7 @@ def run_plan(args) -> int:
     if len(scenarios) not in (1, len(args.target)):
         raise UsageError(f"give one --scenario for all targets or one per --target ({len(args.target)})")
     targets = list(zip(args.target, scenarios * len(args.target) if len(scenarios) == 1 else scenarios))
+    warn_unrunnable_recipe(args.recipe, args.target)
     c = constraints_of(args)
     search = Search(lib, parent, targets, args.recipe or "", args.metric, c)
     plan = search.plan(args.method, args.alternatives, args.min_distance,

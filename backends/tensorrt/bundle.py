@@ -244,7 +244,8 @@ def _trtexec(spec: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _readme(spec: dict) -> str:
+def _readme(spec: dict, built: dict) -> str:
+    """The bundle's README; `built`: the engines already built when it was written (then step 1 is done)."""
     plan, s = spec["memory_plan"], spec["scenario"]
     rows = "\n".join(f"| {e['name']} | {p['name']} | " + ", ".join(
         f"{n} {sh['min']}..{sh['max']} (opt {sh['opt']})" for n, sh in p['shapes'].items()
@@ -257,9 +258,7 @@ version that builds them; the timing cache too.
 
 ## Deploy
 
-1. On a machine with TensorRT {spec['min_version']['tensorrt']}+ (10.x or 11.x) and a {spec['compute_capability']} GPU:
-   `python build_engines.py` (or `bash trtexec.sh`; `TRT_MAJOR=11 bash trtexec.sh` for TensorRT 11).
-   RTX targets build anywhere with TensorRT-RTX: `python build_engines.py --builder tensorrt-rtx`.
+{_build_step(spec, built)}
 2. There: `python validate.py` runs prefill and {spec['validation']['decode_steps']} decode steps on the engines and
    compares them with golden.npz (tolerance {spec['validation']['tolerance']} of the largest golden value).
 
@@ -279,6 +278,17 @@ Builder: optimisation level {spec['builder']['optimization_level']}, tiling {spe
 workspace {spec['builder']['workspace_bytes'] / 2**30:.2f} GiB, strongly typed (precision from the graphs' Q/DQ).
 manifest.json holds the sha256 of every file and the provenance.
 """
+
+
+def _build_step(spec: dict, built: dict) -> str:
+    if built:
+        return (f"1. The engines ({', '.join(sorted(f'{g}.engine' for g in built))}) were built when this bundle was "
+                f"written, with {spec['builder']['backend']}: nothing to build. Rebuild them only for another TensorRT "
+                "version or GPU: `python build_engines.py`.")
+    return (f"1. On a machine with TensorRT {spec['min_version']['tensorrt']}+ (10.x or 11.x) and a "
+            f"{spec['compute_capability']} GPU:\n   `python build_engines.py` (or `bash trtexec.sh`; "
+            "`TRT_MAJOR=11 bash trtexec.sh` for TensorRT 11).\n   RTX targets build anywhere with TensorRT-RTX: "
+            "`python build_engines.py --builder tensorrt-rtx`.")
 
 
 def _sha256(path: Path) -> str:
@@ -371,8 +381,8 @@ def write_bundle(prog: Program, out, target: Target, scenario: Scenario, build: 
             shutil.copyfile(TEMPLATES / name, tmp / name)
         (tmp / "trtexec.sh").write_text(_trtexec(spec))
         (tmp / "trtexec.sh").chmod(0o755)
-        (tmp / "README.md").write_text(_readme(spec))
         engines = run_build(tmp, kind) if build == "yes" or (build == "auto" and can_build(kind)) else {}
+        (tmp / "README.md").write_text(_readme(spec, engines))
         files = sorted(p.name for p in tmp.iterdir() if p.is_file())
         manifest = {"format": FORMAT, "files": {f: _sha256(tmp / f) for f in files},
                     "provenance": provenance or {}, "engines_built_here": engines}

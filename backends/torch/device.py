@@ -54,6 +54,35 @@ class Compute:
 
 CPU = Compute()
 
+#: parameters per intra-op thread: below it a thread spends more time waiting for the others than computing
+PARAMS_PER_THREAD = 20_000_000
+
+
+def cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: taskset, cgroups' cpusets), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_for(params: int, requested: int = 0) -> int:
+    """Intra-op threads for a model of `params` parameters: `requested` (--threads) when given, else one per
+    20M parameters, at least 1 and at most `cpus()`. A small model's matmuls are too short to split: more
+    threads only spin against each other, and against any other process on the machine (8-20x slower)."""
+    if requested < 0:
+        raise DeviceError(f"--threads {requested}: give a positive number of threads (or leave it out)")
+    if requested:
+        return requested
+    return max(1, min(cpus(), params // PARAMS_PER_THREAD))
+
+
+def use_threads(params: int, requested: int = 0) -> int:
+    """Sets torch's intra-op threads for this model (see threads_for); returns the number."""
+    n = threads_for(params, requested)
+    torch.set_num_threads(n)
+    return n
+
 
 def resolve(device: str | None = "auto", dtype: str | None = "auto", max_memory: str | int | None = None) -> Compute:
     """`auto` picks CUDA when it is available (under torchrun, the rank's own `cuda:LOCAL_RANK`), and then

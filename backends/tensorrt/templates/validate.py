@@ -48,12 +48,22 @@ class TensorRTRunner:
     """Inputs and outputs are torch CUDA tensors; the state stays on the GPU between steps."""
 
     def __init__(self, cfg: dict, builder: str):
-        import torch
-
-        if builder == "tensorrt-rtx":
-            import tensorrt_rtx_bindings as trt
-        else:
-            import tensorrt as trt
+        package = "tensorrt_rtx_bindings" if builder == "tensorrt-rtx" else "tensorrt"
+        try:
+            import torch
+        except ImportError:
+            sys.exit("validate.py: torch is not installed here; the engines' buffers are torch CUDA tensors: "
+                     "pip install torch (a CUDA build), or check the ONNX graphs on CPU: "
+                     "python validate.py --runtime onnxruntime")
+        if not torch.cuda.is_available():
+            sys.exit(f"validate.py: no CUDA GPU here, and the engines run on a {cfg['compute_capability']} GPU: run "
+                     "this on that machine, or check the ONNX graphs on CPU: python validate.py --runtime onnxruntime")
+        try:
+            trt = __import__(package)
+        except ImportError:
+            wheels = "tensorrt_rtx_cu12_bindings tensorrt_rtx_cu12_libs" if builder == "tensorrt-rtx" else "tensorrt"
+            sys.exit(f"validate.py: {package} is not installed here (pip install {wheels}), or check the ONNX graphs "
+                     "on CPU: python validate.py --runtime onnxruntime")
         self.trt, self.torch, self.cfg = trt, torch, cfg
         self.dtypes = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
                        trt.int64: torch.int64, trt.int32: torch.int32, trt.bool: torch.bool,
