@@ -327,8 +327,8 @@ class CostModel:
             s = self.scenario
             items = ([(op, batch, 1, context or s.decode_context, True) for op in ops]
                      + [(op, 1, s.input_len, 0, False) for op in ops])
-            if all(self.provider.has(it) for it in items):
-                self.provider.times(items)  # all cached: spot-checked
+            if self.provider.pinned or all(self.provider.has(it) for it in items):
+                self.provider.times(items)  # all cached: spot-checked; a pinned table: only the missing timed
             else:  # the ones timed before (the parent's, by its report) again, with the new ones
                 self.provider.measure_together(items, [])
                 self._memo.clear()
@@ -441,7 +441,7 @@ class CostModel:
         pred = [self.provider.step_overhead() + sum(by_op[(n.op, *sh)] for n in self.prog.nodes if n.op.kind != "mtp")
                 for sh in shapes]
         drift = [b / p for b, p in zip(before, pred)]
-        retimed = any(abs(d - 1) > tolerance for d in drift)
+        retimed = any(abs(d - 1) > tolerance for d in drift) and not self.provider.pinned  # a pinned table stays
         if retimed:
             self.provider.invalidate(f"the times priced earlier were {drift[0]:.2f}x (decode) and {drift[1]:.2f}x "
                                      f"(prefill) the whole-model check's, beyond {tolerance:.0%}")

@@ -47,6 +47,10 @@ def conditions(compute: Compute = CPU) -> dict:
     return out
 
 
+#: a cost table every MeasuredProvider of the process uses, as it is (see MeasuredProvider)
+COST_TABLE_ENV = "PUZZLEKIT_COST_TABLE"
+
+
 class MeasuredProvider:
     """Times op variants on this machine (torch eager, warm-up, mean of `repeats` round-robin passes).
 
@@ -64,7 +68,13 @@ class MeasuredProvider:
 
     def __init__(self, cache: Path | None = None, repeats: int = 7, warmup: int = 2, spot_checks: int = 2,
                  tolerance: float = 0.25, timer=time.perf_counter, conditions_fn=None, compute: Compute = CPU):
-        """`compute`: the device and precision ops are timed in (on CUDA with events, after synchronising)."""
+        """`compute`: the device and precision ops are timed in (on CUDA with events, after synchronising).
+        With $PUZZLEKIT_COST_TABLE set (compress sets it to its run's cost-table.json), that file is the cache
+        and is not spot-checked: a run prices every round from one table, and a rerun from the same one."""
+        pinned = os.environ.get(COST_TABLE_ENV) if cache is None else None
+        self.pinned = bool(pinned)  # taken as it is: no spot checks, whatever machine it was timed on
+        if pinned:
+            cache, spot_checks = Path(pinned), 0
         self.cache_file = cache or Path(os.environ.get("PUZZLEKIT_CACHE", Path.home() / ".cache" / "puzzlekit")) \
             / "cpu-op-times.json"
         self.repeats, self.warmup, self.spot_checks, self.tolerance = repeats, warmup, spot_checks, tolerance
@@ -82,12 +92,17 @@ class MeasuredProvider:
             raw = json.loads(self.cache_file.read_text())
         except (OSError, ValueError):
             return {}
-        if not isinstance(raw, dict) or raw.get("conditions") != self.conditions or not isinstance(raw.get("times"), dict):
+        if not isinstance(raw, dict) or not isinstance(raw.get("times"), dict) or (
+                raw.get("conditions") != self.conditions and not self.pinned):
             return {}  # written under other conditions (or damaged): not evidence about this machine now
         # a damaged entry (NaN, negative, not a number) is timed again rather than trusted
         return {k: v for k, v in raw["times"].items() if isinstance(v, float) and math.isfinite(v) and v >= 0}
 
-    def _save(self) -> None:
+    def _save(self, merge: bool = True) -> None:
+        """Writes the times, merged with what other providers wrote to the file since this one read it (each
+        CostModel of a run has its own provider: none may drop the others' times)."""
+        if merge:
+            self._cache = {**self._load(), **self._cache}
         self.cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.cache_file.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"conditions": self.conditions, "times": self._cache}))
@@ -98,7 +113,7 @@ class MeasuredProvider:
         self._cache.clear()
         self._loaded.clear()
         self.invalidated = reason
-        self._save()
+        self._save(merge=False)
 
     def has(self, item: tuple) -> bool:
         """Whether (op, batch, tokens, context, decode) has a time (cached or taken by this provider)."""
@@ -147,6 +162,8 @@ class MeasuredProvider:
             cached = list(dict.fromkeys(k for k in keys if k in self._loaded))[: self.spot_checks]
             if cached:
                 self._spot_check([items[keys.index(k)] for k in cached], cached)
+        if any(k not in self._cache for k in keys):  # another provider may have timed them since: one time per op
+            self._cache = {**self._load(), **self._cache}
         todo = {k: it for k, it in zip(keys, items) if k not in self._cache}
         if todo:
             self._cache.update(zip(todo, self._measure(list(todo.values()))[0]))
@@ -194,7 +211,9 @@ class MeasuredProvider:
         return ops, more
 
     def store(self, items: list[tuple], seconds: list[float]) -> None:
-        self._cache.update({self.key(*it): t for it, t in zip(items, seconds)})
+        """Keeps fresh times; a pinned table's times are never replaced (only the ops it lacks are added)."""
+        self._cache.update({k: t for k, t in ((self.key(*it), t) for it, t in zip(items, seconds))
+                            if not (self.pinned and k in self._cache)})
         self._save()
 
     def interleaved(self, runs: list) -> list[float]:

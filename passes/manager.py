@@ -20,6 +20,7 @@ class Instrumentation:
     verify_each: bool = False
     print_ir_after: bool = False
     progress: bool = False  # show progress bars for long passes (see `progress`)
+    log: bool = False  # a line on stderr as each pass starts and ends (with its time), piped or not
     out: object = None  # where IR dumps go (default: stderr)
     stages: object = None  # a stages.StageCheckpoints: save after each pass, skip what an earlier run finished
     timings: list[tuple[str, float]] = field(default_factory=list)
@@ -53,7 +54,9 @@ class PassManager:
             label = print_pipeline([p])
             if ins.stages is not None and not p.nested and ins.stages.skip(label, prog, am):
                 ran.append(label)
+                _log(ins, p.pass_name, "done in an earlier run: skipped")
                 continue
+            _log(ins, p.pass_name, "started")
             start = time.perf_counter()
             heads = len(prog.find("mtp"))
             try:
@@ -73,6 +76,7 @@ class PassManager:
                 raise PassError(f"pass {label} failed: {what}\n"
                                 f"  passes run before it: {', '.join(ran) or 'none'}") from e
             ins.timings.append((label, time.perf_counter() - start))
+            _log(ins, p.pass_name, f"done in {ins.timings[-1][1]:.1f} s")
             ran.append(label)
             if ins.stages is not None and not p.nested:
                 ins.stages.save(label, prog, am)
@@ -81,6 +85,11 @@ class PassManager:
 
     def run_nested(self, body: list[Pass], prog: Program, am: AnalysisManager) -> None:
         self._run_list(body, prog, am, [])
+
+
+def _log(ins: Instrumentation, name: str, what: str) -> None:
+    if ins.log:
+        print(f"{name}: {what}", file=ins.out or sys.stderr, flush=True)
 
 
 def progress(iterable, am: AnalysisManager, desc: str, total: int | None = None):

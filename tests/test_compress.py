@@ -51,6 +51,17 @@ def test_the_compress_template_fills_in_to_a_pipeline_that_round_trips(extra, tm
         pipeline_text("x", parser().parse_args(["compress", "-o", str(tmp_path)]), tmp_path, tmp_path)
 
 
+def test_a_cost_table_is_refused_where_it_cannot_apply(tmp_path, capsys):
+    from puzzlekit.tools.cli import main
+
+    out = tmp_path / "run"
+    assert main(["compress", "--quick", "--target", "h100", "--cost-table", str(tmp_path), "-o", str(out)]) == 2
+    assert "priced analytically" in capsys.readouterr().err
+    assert main(["compress", "--quick", "--target", "cpu", "--cost-table", str(tmp_path / "no.json"), "-o",
+                 str(out)]) == 2
+    assert "no such file" in capsys.readouterr().err and not out.exists()
+
+
 def test_a_target_that_cannot_price_the_scenario_is_refused_before_any_work(tmp_path, capsys):
     from puzzlekit.tools.cli import main
 

@@ -256,6 +256,23 @@ def test_a_cache_from_other_conditions_is_not_read(tmp_path):
     assert len(same._cache) >= 6
 
 
+def test_a_pinned_cost_table_is_used_as_it_is(tmp_path, monkeypatch):
+    """What compress pins ($PUZZLEKIT_COST_TABLE): read whatever machine timed it, never spot-checked, so every
+    round and every rerun of a run is priced alike."""
+    prog, sc = _program(hidden=32), Scenario(input_len=64, output_len=8)
+    first = CostModel(prog, "cpu", sc, provider=_provider(tmp_path / "t.json", 1e-3)).decode_step_seconds(2)
+    monkeypatch.setenv("PUZZLEKIT_COST_TABLE", str(tmp_path / "t.json"))
+    later = MeasuredProvider(repeats=3, warmup=0, timer=Clock(9e-3),
+                             conditions_fn=lambda: CONDITIONS | {"cpu": "another machine"})
+    cm = CostModel(prog, "cpu", sc, provider=later)
+    assert later.pinned and cm.decode_step_seconds(2) == first
+    assert later.timed == 0 and not later.invalidated
+    ops = [n.op for n in prog.nodes if n.op.kind != "mtp"]
+    cm.prepare(ops, 2)  # a search re-times the parent's ops with its variants'; a pinned table only adds its missing
+    later.store([(ops[0], 2, 1, sc.decode_context, True)], [99.0])
+    assert CostModel(prog, "cpu", sc, provider=later).decode_step_seconds(2) == first
+
+
 def test_the_ops_of_a_step_are_timed_together(tmp_path, monkeypatch):
     prog = _program(hidden=32)
     prov = _provider(tmp_path / "t.json", 1e-3)

@@ -278,3 +278,19 @@ def test_the_library_command_never_writes_into_its_input_or_a_foreign_directory(
     assert "holds no library" in capsys.readouterr().err and [p.name for p in d.iterdir()] == ["keep.txt"]
     assert main(["library", "-o", str(model_path(None))]) == 2
     assert "would replace the input" in capsys.readouterr().err
+
+
+def test_a_variant_is_labelled_as_its_spec_has_it(parent):
+    """The Mamba state axis counts channels over all groups (the id's 512); the spec, the plan and the
+    report say the state per group (64)."""
+    from puzzlekit.passes.puzzle.library import row_of, variant_label, variant_spec
+
+    node = parent.blocks("mamba2")[0]
+    total = node.op.groups * node.op.state
+    v = Variant((("state", total // 2), ("heads", node.op.heads // 2)))
+    row = row_of(0, node.path, v, variant_spec(node.op, v))
+    assert row["id"] == f"state={total // 2},heads={node.op.heads // 2}"
+    assert variant_label(row) == f"state={node.op.state // 2},heads={node.op.heads // 2}" == \
+        f"state={row['spec']['state']},heads={row['spec']['heads']}"
+    assert variant_label(row_of(0, node.path, Variant(), node.op)) == "parent"
+    assert variant_label(row_of(0, node.path, Variant(replacement="noop"), variant_spec(node.op, Variant(replacement="noop")))) == "noop"

@@ -132,3 +132,17 @@ def test_timings_and_print_ir_after(prog, capsys):
     assert [n for n, _ in ins.timings] == ["verify", "set-topk{k=1}"]
     err = capsys.readouterr().err
     assert "// IR after set-topk{k=1}" in err and "top_k=1" in err
+
+
+def test_the_manager_logs_each_pass_as_it_starts_and_ends(prog):
+    """What compress prints on stderr as it goes (piped or not; --json keeps it quiet)."""
+    import io
+
+    log = io.StringIO()
+    PassManager("set-topk{k=1},verify", Instrumentation(log=True, out=log)).run(prog.copy())
+    lines = log.getvalue().splitlines()
+    assert lines[0] == "set-topk: started" and lines[1].startswith("set-topk: done in ")
+    assert lines[2] == "verify: started" and len(lines) == 4
+    quiet = io.StringIO()
+    PassManager("verify", Instrumentation(out=quiet)).run(prog.copy())
+    assert quiet.getvalue() == ""

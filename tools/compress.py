@@ -10,18 +10,21 @@ writes the outputs, each skipped when a rerun finds it done:
     OUT/plan.json    the chosen architecture, the search's frontier and the measured figures
     OUT/bundle/      the target's deployment bundle (ONNX graphs, engine build files)
     OUT/report/      report.md and its plots
+    OUT/cost-table.json  on the cpu target: the op timings every round and every rerun are priced from
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import string
+import sys
 import time
 from pathlib import Path
 
-from ..errors import PuzzlekitError
+from ..errors import PuzzlekitError, UsageError
 from ..outputs import write_json
 from .puzzle import add_constraint_arguments, constraints_of
 
@@ -76,16 +79,50 @@ def _mark(out: Path, name: str, info: dict) -> None:
     write_json(out / "work" / f"{name}.done", info)
 
 
+@contextlib.contextmanager
+def _pinned_cost_table(args, out: Path):
+    """On a measured (cpu) target, every round and every rerun of this run prices from one table of op
+    timings, OUT/cost-table.json: timed once by the first run (or copied from `--cost-table FILE`), reused as it
+    is afterwards, so a rerun gives the same child. Says which on stderr."""
+    import shutil
+
+    from ..backends.measured import COST_TABLE_ENV
+    from ..backends.targets import get_target
+
+    if get_target(args.target).kind != "cpu":
+        if args.cost_table:
+            raise UsageError(f"--cost-table: target {args.target} is priced analytically, not from timings; "
+                             "drop --cost-table")
+        yield
+        return
+    table = out / "cost-table.json"
+    if args.cost_table:
+        src = Path(args.cost_table)
+        if not src.is_file():
+            raise UsageError(f"--cost-table {src}: no such file (a run's OUT/cost-table.json)")
+        if src.resolve() != table.resolve():
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, table)
+        how = f"from {src} (the same child as the run that timed them)"
+    elif table.exists():
+        how = f"reused from {table} (this run's own: the same child as before)"
+    else:
+        how = (f"timed on this machine now and stored in {table}: they depend on the load, so another run "
+               "would time them anew and may choose another child; a rerun, or --cost-table FILE, reuses them")
+    print(f"cpu target: op timings {how}", file=sys.stderr)
+    before = os.environ.get(COST_TABLE_ENV)
+    os.environ[COST_TABLE_ENV] = str(table.resolve())
+    try:
+        yield
+    finally:  # the process's other work (and tests in it) is not pinned
+        if before is None:
+            os.environ.pop(COST_TABLE_ENV, None)
+        else:
+            os.environ[COST_TABLE_ENV] = before
+
+
 def compress(args, progress: bool = True) -> dict:
     """Runs every stage that has not finished; returns the summary (also OUT/work/summary.json)."""
-    from .. import ir
-    from ..backends.cost import CostModel, get_scenario
-    from ..backends.torch.device import use_threads
-    from ..errors import read_text
-    from ..passes import Instrumentation, PassManager, parse_pipeline, print_pipeline, resolve_pipeline
-    from ..passes.pipeline import PIPELINES_DIR
-    from ..passes.puzzle.library import parent_hash
-    from ..passes.stages import StageCheckpoints
     from .default_model import model_path
 
     from .cli import compute_of
@@ -96,6 +133,20 @@ def compress(args, progress: bool = True) -> dict:
     if out.resolve() == src or src in out.resolve().parents or out.resolve() in src.parents:
         raise PuzzlekitError(f"-o {out} would write into or around the input model {src}; choose another directory")
     library = Path(args.library) if args.library else out / "library"
+    with _pinned_cost_table(args, out):
+        return _run(args, out, src, library, progress)
+
+
+def _run(args, out: Path, src: Path, library: Path, progress: bool) -> dict:
+    from .. import ir
+    from ..backends.cost import CostModel, get_scenario
+    from ..backends.torch.device import use_threads
+    from ..errors import read_text
+    from ..passes import Instrumentation, PassManager, parse_pipeline, print_pipeline, resolve_pipeline
+    from ..passes.pipeline import PIPELINES_DIR
+    from ..passes.puzzle.library import parent_hash
+    from ..passes.stages import StageCheckpoints
+
     template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
     text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
     passes = parse_pipeline(resolve_pipeline(text))
@@ -105,7 +156,7 @@ def compress(args, progress: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)  # once the options make a pipeline the target can price
     prog = parent.copy()
     stages = StageCheckpoints(out / "work" / "stages", parent_hash(parent))
-    ins = Instrumentation(progress=progress, stages=stages)
+    ins = Instrumentation(progress=progress, stages=stages, log=not args.json)
     t0 = time.perf_counter()
     am = PassManager(passes, ins, args.device, args.dtype, args.max_memory).run(prog)
     clock = {"pipeline": time.perf_counter() - t0, **{label: s for label, s in ins.timings}}
@@ -285,6 +336,8 @@ def add_parsers(sub, model_help: str, positive_int, positive_float) -> tuple:
     c.add_argument("--target", default="cpu", help="h100, b200, 8xb200, ..., cpu")
     c.add_argument("--scenario", default="chat", help="long-1m, decode-heavy, prefill-heavy, chat")
     add_constraint_arguments(c, positive_int, positive_float)
+    c.add_argument("--cost-table", metavar="FILE", help="the cpu target's op timings from an earlier run "
+                                                        "(OUT/cost-table.json), so that it gives the same child")
     c.add_argument("--iterative", type=positive_int, default=1, help="rounds of search + distillation (Iterative "
                                                                       "Puzzle); the steps are split over them")
     c.add_argument("--steps", type=positive_int, help="distillation steps in total (default 300; --quick 20)")

@@ -100,7 +100,7 @@ def run_plan(args) -> int:
                                     "parent": lib.manifest["parent"]["hash"]}
         ir.save(child, args.output, overwrite=args.overwrite, extended=args.extended)
     rows = [("layer", "parent", "child")] + [
-        (str(p["layer"]), lib.rows[[r["layer"] for r in lib.rows].index(p["layer"])]["kind"], p["id"])
+        (str(p["layer"]), lib.rows[[r["layer"] for r in lib.rows].index(p["layer"])]["kind"], p["label"])
         for p in plan.layers]
     figures = [("constraint", "parent", "child", "bound")] + [
         (k, f"{plan.parent[k]:.6g}", f"{plan.predicted[k]:.6g}", f"{plan.limits[k]:.6g}") for k in plan.predicted]

@@ -78,6 +78,11 @@ def frontier_plot(points: list, path: Path) -> None:
         pts = sorted((p["relative"], p["score"]) for p in points if p["method"] == method)
         if pts:
             ax.plot(*zip(*pts), marker, label=method, markersize=6)
+    chosen = [p for p in points if p["method"] == "mip" and p["budget"] == 1.0]
+    if chosen:  # the child compress returns: the MIP at the target itself (its last round's, with --iterative)
+        c = chosen[0]
+        ax.plot(c["relative"], c["score"], "*", color="black", markersize=14, zorder=5, label="chosen: MIP at the target")
+        ax.annotate("chosen", (c["relative"], c["score"]), xytext=(6, 6), textcoords="offset points", fontsize=8)
     key = points[0]["constraint"] if points else "budget"
     ax.set_xlabel(f"predicted {'throughput' if key == 'speedup' else key} relative to the parent")
     ax.set_ylabel("summed replacement score (KL, nats/token)")
@@ -95,6 +100,14 @@ def distillation_plot(runs: list, path: Path) -> None:
         for term in run["terms"]:
             ax.plot([offset + r["step"] for r in log], [r[term] for r in log], label=f"run {i + 1}: {term}",
                     linewidth=1)
+        best = run.get("best")
+        if best is not None and best["step"] < run["steps"]:  # keep_best: the weights of that evaluation were kept
+            metric = "mtp_kl" if set(run["terms"]) == {"mtp"} else "kl"  # what keep_best compared
+            what = "its starting weights" if best["step"] == 0 else f"step {best['step']}"
+            ax.axvline(offset + best["step"], color="black", linestyle=":", linewidth=1)
+            ax.annotate(f"run {i + 1} kept {what}\n(best held-out {metric} {best[metric]:.3g})",
+                        (offset + best["step"], 1), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                        textcoords="offset points", va="top", fontsize=6)
         offset += run["steps"]
     ax.set_xlabel("step (runs one after another)")
     ax.set_ylabel("loss term")
@@ -105,8 +118,13 @@ def distillation_plot(runs: list, path: Path) -> None:
 
 def mtp_plot(values: dict, path: Path) -> None:
     plt = _plots()
+    import textwrap
+
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.bar(list(values), list(values.values()), color=["#55a868", "#c44e52", "#4c72b0"][:len(values)])
+    ax.bar(range(len(values)), list(values.values()), color=["#55a868", "#c44e52", "#4c72b0"][:len(values)])
+    ax.set_xticks(range(len(values)), [textwrap.fill(k, 14) for k in values], fontsize=8)  # no overlapping labels
+    for x, v in enumerate(values.values()):
+        ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("mean acceptance length (tokens / step)")
     _save(fig, path)
 

@@ -170,6 +170,15 @@ def load_row(lib: Path, layer: int, vid: str) -> dict | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
+def variant_label(row: dict) -> str:
+    """A variant as people read it (plan, report, JSON): the attributes its shrinks changed, valued as its spec
+    has them (a Mamba layer's `state` per group, not the axis' count of channels over all groups, which is what
+    the id, the library's key, records)."""
+    if row["replacement"]:
+        return row["replacement"]
+    return ",".join(f"{axis}={row['spec'].get(axis, n)}" for axis, n in row["steps"]) or "parent"
+
+
 def row_of(layer: int, path: str, variant: Variant, spec: OpSpec) -> dict:
     params = sum(torch.Size(s).numel() for s in spec.params().values())
     return {"layer": layer, "path": path, "id": variant.id, "kind": spec.kind, "spec": spec_to_dict(spec),

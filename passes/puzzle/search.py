@@ -20,7 +20,7 @@ import numpy as np
 from ...backends.cost import CostModel, get_scenario
 from ...ir import Program
 from ..core import PassError
-from .library import Library
+from .library import Library, variant_label
 from .mip import Infeasible, Problem, Solution, TimedOut, solve
 
 #: prior score weights per block kind, for weightless libraries (see `prior_score`)
@@ -323,7 +323,8 @@ class Search:
         for r in rows:  # the child's counts: the parent's with each layer's block swapped
             for k, key in (("total", "params"), ("active", "active_params")):
                 counts[k] += r[key] - self.parents[r["layer"]][key]
-        return Plan(True, [{"layer": r["layer"], "path": r["path"], "id": r["id"], "spec": r["spec"]} for r in rows],
+        return Plan(True, [{"layer": r["layer"], "path": r["path"], "id": r["id"], "label": variant_label(r),
+                            "spec": r["spec"]} for r in rows],
                     {k: sol.totals[k] + pr.fixed[k] for k in pr.costs}, pr.parent, pr.bound, counts["total"],
                     counts["active"], sol.objective, self.score_source, sol.status, sol.gap, seconds, batch)
 
