@@ -34,9 +34,6 @@ class _RepositoryIsNotATestPackage:
 
 def pytest_configure(config):
     config.pluginmanager.register(_RepositoryIsNotATestPackage(), "puzzlekit-repository-root")
-    # the commands run the built-in model on one thread (backends.torch.device.threads_for): in-process results
-    # are compared with theirs bit for bit, so the tests compute with the same thread count
-    torch.set_num_threads(1)
 
 
 #: the independent oracles the tests compare with; a developer without one sees its tests skipped

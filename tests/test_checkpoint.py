@@ -505,7 +505,7 @@ def test_save_refuses_a_non_empty_directory_unless_overwrite(tmp_path, small_pro
     d = tmp_path / "out"
     d.mkdir()
     (d / "notes.txt").write_text("keep me")
-    with pytest.raises(OutputError, match="overwrite=True"):
+    with pytest.raises(OutputError, match="--overwrite"):
         ir.save(small_program, d, extended=True)
     assert dir_bytes(d) == {"notes.txt": b"keep me"}
     ir.save(small_program, d, overwrite=True, extended=True)

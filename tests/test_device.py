@@ -161,7 +161,9 @@ def test_threads_follow_the_model_size_and_the_cpus_this_process_may_use(monkeyp
 def test_commands_set_the_threads_they_choose():
     """The built-in model gets one thread; --threads overrides."""
     for argv, want in ((["inspect", "--json"], 1), (["cost", "--target", "h100", "--threads", "2", "--json"], 2)):
-        code = (f"import torch, sys; from puzzlekit.tools.cli import main; rc = main({argv!r}); "
-                "sys.stderr.write(f'threads {torch.get_num_threads()} rc {rc}')")
+        code = ("import sys, torch; calls = []; set_threads = torch.set_num_threads\n"
+                "torch.set_num_threads = lambda n: calls.append(n) or set_threads(n)\n"
+                f"from puzzlekit.tools.cli import main; rc = main({argv!r})\n"
+                "sys.stderr.write(f'threads {calls[0]} rc {rc}')")  # the first is the command's, the last restores
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert p.stderr.strip().endswith(f"threads {want} rc 0"), p.stderr

@@ -112,7 +112,8 @@ def test_resuming_with_other_settings_is_refused(lib, parent, grid_file):
 
 def test_a_killed_library_command_resumes_to_the_same_manifest(lib, grid_file, tmp_path):
     out = tmp_path / "lib"
-    cmd = [sys.executable, "-m", "puzzlekit.tools", "library", "-o", str(out), "--grid", str(grid_file), *CLI_SETTINGS]
+    cmd = [sys.executable, "-m", "puzzlekit.tools", "library", "-o", str(out), "--grid", str(grid_file), *CLI_SETTINGS,
+           "--threads", str(torch.get_num_threads())]  # as the fixture computed: the same numbers to the last bit
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while p.poll() is None and len(list(out.glob("variants/*/*.json"))) < 6:
@@ -225,7 +226,8 @@ def test_torchrun_shares_the_layers_out_and_gives_the_same_library(lib, grid_fil
     out = tmp_path / "lib"
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
-           "-m", "puzzlekit.tools", "library", "-o", str(out), "--grid", str(grid_file), *CLI_SETTINGS, "--json"]
+           "-m", "puzzlekit.tools", "library", "-o", str(out), "--grid", str(grid_file), *CLI_SETTINGS, "--json",
+           "--threads", str(torch.get_num_threads())]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads((out / "manifest.json").read_text()) == lib.manifest

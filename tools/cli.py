@@ -566,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     """Runs one command: errors are one message on stderr, never a traceback (PUZZLEKIT_DEBUG=1 re-raises)."""
     args = parser().parse_args(argv)  # argparse exits with 2 on usage errors
     return_freed_memory()
+    import torch
+
+    threads = torch.get_num_threads()  # a command sets its own (device.use_threads); a caller's is restored
     try:
         return args.run(args)
     except KeyboardInterrupt:
@@ -580,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
             msg += " (PUZZLEKIT_DEBUG=1 shows the traceback)"
         print(f"puzzlekit {args.command}: error: {msg}", file=sys.stderr)
         return 2 if any(isinstance(x, (UsageError, OutputError)) for x in _causes(e)) else 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _causes(e: BaseException):
