@@ -22,7 +22,7 @@ from torch import nn
 
 from ...ir.program import Node, Program
 from ...memory import scratch_file
-from . import load_into
+from . import _dense, load_into
 from .device import CPU, Compute
 
 #: attach(node, module) -> finish() or None: called before a node runs over the windows; finish() after it
@@ -122,8 +122,7 @@ class StreamedProgram:
         w = self.program.weights
         for n in self.program.nodes:
             for local in n.op.params():
-                t = w.get(f"{n.path}.{local}")
-                yield f"{n.path}.{local}", t if isinstance(t, torch.Tensor) else t.dequantize()
+                yield f"{n.path}.{local}", _dense(w.get(f"{n.path}.{local}"))
 
     def release(self) -> None:
         """Drops the kept modules (their weights are read again when next used)."""
