@@ -63,6 +63,7 @@ class MeasuredProvider:
     """
 
     max_batch = 256
+    measures = True
     max_prefill_tokens = 65536
     budget_bytes = 2 * 2**30
 
@@ -140,7 +141,11 @@ class MeasuredProvider:
         per = max([self.state_bytes(op, 1, context) for op in ops], default=0)
         return self.max_batch if per == 0 else min(self.max_batch, int(self.budget_bytes // per))
 
-    def check(self, op, batch, tokens, context, decode) -> None:
+    def check(self, items: list[tuple]) -> None:
+        for it in items:
+            self._check(*it)
+
+    def _check(self, op, batch, tokens, context, decode) -> None:
         """Refuses what this provider cannot time here (a prefill too long, a decode state too large)."""
         if not decode and batch * tokens > self.max_prefill_tokens:
             raise PuzzlekitError(f"the measured cpu provider runs every prefill it prices; {batch * tokens:,} tokens "
@@ -155,8 +160,7 @@ class MeasuredProvider:
     def times(self, items: list[tuple]) -> list[float]:
         """Seconds for each (op, batch, tokens, context, decode): cached ones (re-checked once per provider),
         the rest timed together in one round-robin."""
-        for it in items:
-            self.check(*it)
+        self.check(items)
         keys = [self.key(*it) for it in items]
         if not self._checked:
             cached = list(dict.fromkeys(k for k in keys if k in self._loaded))[: self.spot_checks]
@@ -170,7 +174,22 @@ class MeasuredProvider:
             self._save()
         return [self._cache[k] for k in keys]
 
-    def op_seconds_at(self, op, batch: int, tokens: int, context: int, decode: bool) -> float:
+    def prefetch(self, items: list[tuple]) -> None:
+        """Times together the items not timed yet (a step's ops, so that load moves them alike)."""
+        self.times(items)
+
+    def prepare(self, items: list[tuple]) -> bool:
+        """A search's variants timed with the ops priced before them (the parent's) again, so their times
+        compare like with like; only the missing ones with a pinned table or when all are cached. True when
+        earlier times were replaced."""
+        if self.pinned or all(self.has(it) for it in items):
+            self.times(items)
+            return False
+        self.measure_together(items, [])
+        return True
+
+    def seconds(self, op, precisions, routing, batch, tokens, context, decode, deployment) -> float:
+        """The op's time here at the shape (precision, routing and layout do not change what is timed)."""
         return self.times([(op, batch, tokens, context, decode)])[0]
 
     def _spot_check(self, items, keys) -> None:
@@ -204,8 +223,7 @@ class MeasuredProvider:
     def measure_together(self, items: list[tuple], extra: list) -> tuple[list[float], list[float]]:
         """Times ops and other callables (whole models) in the same turns, so they can be compared; the op
         times replace the cached ones."""
-        for it in items:
-            self.check(*it)
+        self.check(items)
         ops, more = self._measure(items, extra)
         self.store(items, ops)
         return ops, more

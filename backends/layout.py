@@ -1,0 +1,116 @@
+"""Parallel layouts: how one model is spread over a node's GPUs, as serving engines run it.
+
+A layout has four degrees (NVIDIA's AIConfigurator searches the same ones for TensorRT-LLM):
+
+- `tp`, tensor parallel: attention, Mamba, dense layers and the MoE's shared parts split by heads or
+  columns over `tp` devices, with an all-reduce of each block's output;
+- `dp`, attention data parallel: `dp` groups of `tp` devices each serve their own requests with their own
+  copy of the non-expert weights; the routed experts are shared by all `tp x dp` devices;
+- `ep`, expert parallel: the routed experts are spread whole over `ep` devices; the other `tp x dp / ep`
+  split each expert's width (with `ep = 1` every device holds a slice of every expert);
+- `replicas`: independent copies of all of the above, each serving its own requests.
+
+Text form: `tp8`, `tp8.ep8`, `tp1.dp8.ep8`, `tp2.r4` (`str` and `Layout.parse` round-trip).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from ..errors import PuzzlekitError
+
+_FORM = re.compile(r"tp(\d+)(?:\.dp(\d+))?(?:\.ep(\d+))?(?:\.r(\d+))?")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    replicas: int = 1
+
+    @property
+    def group(self) -> int:
+        """Devices of one replica: they share the routed experts."""
+        return self.tp * self.dp
+
+    @property
+    def gpus(self) -> int:
+        return self.group * self.replicas
+
+    def __str__(self) -> str:
+        return ".".join([f"tp{self.tp}"] + [f"{k}{v}" for k, v in (("dp", self.dp), ("ep", self.ep),
+                                                                    ("r", self.replicas)) if v > 1])
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        m = _FORM.fullmatch(text.strip())
+        if not m:
+            raise PuzzlekitError(f"layout {text!r}: write tp<N>[.dp<N>][.ep<N>][.r<N>], e.g. tp8, tp8.ep8, "
+                                 "tp1.dp8.ep8 or tp2.r4")
+        return cls(*(int(g) if g else 1 for g in m.groups())).check()
+
+    def check(self) -> Layout:
+        if min(self.tp, self.dp, self.ep, self.replicas) < 1:
+            raise PuzzlekitError(f"layout {self}: every degree must be >= 1")
+        if self.group % self.ep:
+            raise PuzzlekitError(f"layout {self}: ep={self.ep} must divide tp x dp = {self.group}")
+        if self.dp > 1 and self.ep != self.group:
+            raise PuzzlekitError(f"layout {self}: attention data parallel feeds expert-parallel experts; use "
+                                 f"ep{self.group} (tp x dp)")
+        return self
+
+    # -- what one device holds ------------------------------------------------------------------------------
+    def shards(self, op, param: str) -> int:
+        """Over how many devices a parameter of `op` is split (the rest of the replica holds copies): routed
+        experts over the whole replica, K/V projections over at most the KV heads, the rest over `tp`."""
+        op, param = _inner(op, param)
+        if param.startswith("mixer.experts."):
+            return self.group
+        if op.kind == "attention" and param.split(".")[1] in ("k_proj", "v_proj"):
+            return self.kv_shards(op)
+        return self.tp
+
+    def kv_shards(self, op) -> int:
+        """KV heads cannot be split below one per device: with tp > KV heads each head is replicated."""
+        return min(self.tp, op.kv_heads)
+
+    def state_bytes(self, op, kv_bytes: float, ssm_bytes: float, act_bytes: float, context: int) -> float:
+        """One request's decode state held by one device of its attention group."""
+        if op.kind == "mtp":
+            return op.hidden * act_bytes + sum(self.state_bytes(b, kv_bytes, ssm_bytes, act_bytes, context)
+                                               for b in op.blocks)
+        total = op.state_bytes(kv_bytes, ssm_bytes, act_bytes, context)
+        return total / (self.kv_shards(op) if op.kind == "attention" else self.tp)
+
+    def requests_per_group(self, requests: float) -> int:
+        """Requests one attention group serves when a replica serves `requests`."""
+        return math.ceil(requests / self.dp)
+
+
+def _inner(op, param: str):
+    """An MTP head's parameter as its block's (layers.{i}.<block param>), else as it is."""
+    if op.kind != "mtp" or not param.startswith("layers."):
+        return op, param
+    _, i, rest = param.split(".", 2)
+    i = int(i)
+    return (op.blocks[i], rest) if i < len(op.blocks) and rest.startswith("mixer.") else (op, rest)
+
+
+def layouts(gpus: int) -> list[Layout]:
+    """Every layout of `gpus` devices: replicas dividing the count; per replica, each split of its devices
+    into tp x dp, with experts tensor parallel (ep = 1, only without attention data parallel) or spread
+    over the whole replica."""
+    out = []
+    for r in _divisors(gpus):
+        g = gpus // r
+        for tp in reversed(_divisors(g)):
+            dp = g // tp
+            for ep in sorted({1, g} if dp == 1 else {g}):
+                out.append(Layout(tp, dp, ep, r))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
