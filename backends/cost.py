@@ -149,6 +149,7 @@ class Deployment:
     act_bytes: float = 2.0
     kv_bytes: float = 2.0
     ssm_bytes: float = 4.0
+    ssm_copies: int = 1  # SSM states kept per request: d + 1 with d drafted tokens (one per verified position)
 
 
 class Provider(Protocol):
@@ -187,7 +188,7 @@ class Efficiency:
     attention_compute: float = 0.75  # fused (flash) attention, prefill
     attention_memory: float = 0.5  # decode attention reading the (paged) KV cache
     mamba_compute: float = 0.2  # chunked SSD scan and causal conv, prefill
-    mamba_memory: float = 0.5  # decode state update: reads and writes the SSM state
+    mamba_memory: float = 0.25  # decode state update: reads and writes the SSM state (set on the calibration set)
     link: float = 0.41  # fraction of the (bidirectional) NVLink bandwidth a collective's bus bandwidth reaches
     launch_seconds: float = 6e-6  # per kernel in a captured graph: launch, ramp and tail (a floor for tiny ops)
     step_overhead_seconds: float = 30e-6  # scheduling, sampling, host work per step
@@ -252,7 +253,8 @@ class AnalyticProvider:
             gemm = 2 * b * tokens * sum(math.prod(s) for s in op.params().values() if len(s) == 2)
             kc, km = (getattr(e, a) for a in KERNELS[op.kind])
             split = L.kv_shards(op) if op.kind == "attention" else L.tp
-            seconds += self._roof(max(flops - gemm, 0.0) / L.tp, (w.state_read + w.state_write) / split,
+            written = w.state_write * (d.ssm_copies if op.kind == "mamba2" and decode and tokens > 1 else 1)
+            seconds += self._roof(max(flops - gemm, 0.0) / L.tp, (w.state_read + written) / split,
                                   _sequence_precision(t), kc, km)
             flops = min(flops, gemm)
         nbytes = sum(wbytes[k] / L.shards(op, k) for k in dense) + w.act * d.act_bytes / L.tp
@@ -394,7 +396,7 @@ class CostModel:
         self.routing = routing if routing is not None else prog.meta.get("routing", {})
         s = self.scenario
         self.act_b, self.kv_b, self.ssm_b = BYTES[s.act_dtype], BYTES[s.kv_dtype], BYTES[s.ssm_dtype]
-        self.deployment = Deployment(self.layout, self.act_b, self.kv_b, self.ssm_b)
+        self.deployment = Deployment(self.layout, self.act_b, self.kv_b, self.ssm_b, s.mtp_draft + 1)
         self._formats: dict = {}
         self._node_memo: dict = {}
         self._recipe_paths = [r.path for r in get_recipe(scenario.recipe).rules] if scenario.recipe else []
@@ -492,7 +494,8 @@ class CostModel:
         return {"decode_seconds": decode, "prefill_seconds": prefill,
                 "serve_seconds": decode + self.prefill_share(batch) * prefill,
                 "weight_bytes": self._device_weights(op, prec) if resident else 0.0,
-                "state_bytes": self.layout.state_bytes(op, self.kv_b, self.ssm_b, self.act_b, context or s.context_len)
+                "state_bytes": self.layout.state_bytes(op, self.kv_b, self.ssm_b, self.act_b, context or s.context_len,
+                                                      self.deployment.ssm_copies)
                 if resident else 0.0,
                 "params": sum(math.prod(sh) for sh in shapes.values()), "active_params": op.active_params()}
 
@@ -531,8 +534,8 @@ class CostModel:
     def device_state_bytes(self, context: int | None = None) -> float:
         """One request's state on one device of its attention group (KV heads replicated past tp > KV heads)."""
         c = self.scenario.context_len if context is None else context
-        return sum(self.layout.state_bytes(n.op, self.kv_b, self.ssm_b, self.act_b, c) for n in self.prog.nodes
-                   if self._resident(n.op))
+        return sum(self.layout.state_bytes(n.op, self.kv_b, self.ssm_b, self.act_b, c, self.deployment.ssm_copies)
+                   for n in self.prog.nodes if self._resident(n.op))
 
     def activation_bytes(self) -> float:
         """The activation peak of one prefill chunk: the largest op's inputs, outputs and intermediates

@@ -76,12 +76,14 @@ class Layout:
         """KV heads cannot be split below one per device: with tp > KV heads each head is replicated."""
         return min(self.tp, op.kv_heads)
 
-    def state_bytes(self, op, kv_bytes: float, ssm_bytes: float, act_bytes: float, context: int) -> float:
-        """One request's decode state held by one device of its attention group."""
+    def state_bytes(self, op, kv_bytes: float, ssm_bytes: float, act_bytes: float, context: int,
+                    ssm_copies: int = 1) -> float:
+        """One request's decode state held by one device of its attention group. With speculative decoding a
+        Mamba layer keeps `ssm_copies` states (one per verified position, to resume from the accepted one)."""
         if op.kind == "mtp":
             return op.hidden * act_bytes + sum(self.state_bytes(b, kv_bytes, ssm_bytes, act_bytes, context)
                                                for b in op.blocks)
-        total = op.state_bytes(kv_bytes, ssm_bytes, act_bytes, context)
+        total = op.state_bytes(kv_bytes, ssm_bytes, act_bytes, context) * (ssm_copies if op.kind == "mamba2" else 1)
         return total / (self.kv_shards(op) if op.kind == "attention" else self.tp)
 
     def requests_per_group(self, requests: float) -> int:
