@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from puzzlekit import PuzzlekitError, ir
-from puzzlekit.backends.cost import (AnalyticProvider, CostModel, Efficiency, MeasuredProvider, Scenario, cost,
+from puzzlekit.backends.cost import (AnalyticProvider, CostModel, Deployment, Efficiency, MeasuredProvider, Scenario, cost,
                                      get_scenario)
+from puzzlekit.backends.layout import Layout, layouts
 from puzzlekit.backends.targets import TARGETS, get_target, load_target_file
 from puzzlekit.ir.ops import MLP, MTP, Attention, Embed, Linear, LMHead, Mamba2, MoE, Noop, Norm
 from puzzlekit.tools.default_model import config_path
@@ -17,6 +18,11 @@ from puzzlekit.tools.default_model import config_path
 SUPER = config_path("nemotron-3-super-120b-a12b")
 NANO = config_path("nemotron-3-nano-30b-a3b")
 ARGS = dict(kv_bytes=2.0, ssm_bytes=4.0, act_bytes=2.0)
+ONE = Deployment(Layout(), act_bytes=2.0, kv_bytes=2.0, ssm_bytes=4.0)  # one device, BF16 activations and KV
+
+
+def _at(prov, op, precisions, batch, tokens, context, decode, deployment=ONE):
+    return prov.seconds(op, precisions, None, batch, tokens, context, decode, deployment)
 
 
 def test_mamba2_work_by_hand():
@@ -77,18 +83,18 @@ def test_roofline_by_hand():
     wbytes = (2 * 1024 * 4096 + 1024) * 2
     act = (2 * 1024 + 4096) * 2
     want = max(w.flops / (989e12 * 0.5), (wbytes + act) / (3.35e12 * 0.5)) + 3 * 1e-6
-    assert prov.op_seconds(op, precisions, w, 1, 2.0, 1) == pytest.approx(want, rel=1e-12)
+    assert _at(prov, op, precisions, 1, 1, 0, True) == pytest.approx(want, rel=1e-12)
     # a large prefill is compute bound and FP8 weights double the math rate on Hopper
     big = op.work(1, 8192, 0, False, **ARGS)
-    t_bf16 = prov.op_seconds(op, precisions, big, 1, 2.0, 8192)
-    t_fp8 = prov.op_seconds(op, {k: "fp8" for k in precisions}, big, 1, 2.0, 8192)
+    t_bf16 = _at(prov, op, precisions, 1, 8192, 0, False)
+    t_fp8 = _at(prov, op, {k: "fp8" for k in precisions}, 1, 8192, 0, False)
     assert t_bf16 == pytest.approx(big.flops / (989e12 * 0.5) + 3e-6, rel=1e-9)
     assert t_fp8 == pytest.approx(big.flops / (1979e12 * 0.5) + 3e-6, rel=1e-9)
     # NVFP4 on Hopper: weight-only (BF16 math), on Blackwell: FP4 math
     nv = {k: "nvfp4" for k in precisions}
-    assert prov.op_seconds(op, nv, big, 1, 2.0, 8192) == pytest.approx(t_bf16, rel=1e-9)
+    assert _at(prov, op, nv, 1, 8192, 0, False) == pytest.approx(t_bf16, rel=1e-9)
     b200 = AnalyticProvider(TARGETS["b200"], Efficiency(compute=0.5, memory=0.5, launch_seconds=1e-6))
-    assert b200.op_seconds(op, nv, big, 1, 2.0, 8192) == pytest.approx(big.flops / (9000e12 * 0.5) + 3e-6, rel=1e-9)
+    assert _at(b200, op, nv, 1, 8192, 0, False) == pytest.approx(big.flops / (9000e12 * 0.5) + 3e-6, rel=1e-9)
 
 
 def test_super_state_matches_published_figures():
@@ -116,7 +122,7 @@ def test_both_configs_cost_on_every_gpu_target():
 def test_named_scenarios_and_infeasibility():
     prog = ir.load(SUPER)
     r = cost(prog, "h100", "long-1m")
-    assert r.max_concurrency == 0 and r.infeasible.startswith("memory: weights need 241.5 GB") and "1xh100" in r.infeasible
+    assert r.max_concurrency == 0 and r.infeasible.startswith("memory: 241.5 GB of weights") and "h100" in r.infeasible
     node = cost(prog, "8xb200", "long-1m", recipe="nvfp4-hybrid")
     assert node.max_concurrency > 8 and node.max_batch == node.max_concurrency  # no rate floor
     dec = cost(prog, "8xb200", "decode-heavy")
@@ -383,7 +389,7 @@ def test_a_moe_prices_its_routed_experts_as_a_grouped_gemm():
     rest_flops = n * (2 * 1024 * 64 + 4 * 1024)  # router and norm
     rest_bytes = 64 * 1024 * 4 + 64 * 4 + 1024 * 2 + w.act * 2
     rest = max(rest_flops / (989e12 * 0.6), rest_bytes / (3.35e12 * 0.8))
-    assert prov.op_seconds(op, prec, w, 1, 2.0, n) == pytest.approx(routed + rest, rel=1e-9)
+    assert _at(prov, op, prec, 1, n, 0, False) == pytest.approx(routed + rest, rel=1e-9)
     # at one decode token per sequence and batch 8, 0.5 tokens per expert: the experts' reads bind
     d = op.work(8, 1, 0, True, **ARGS)
     touched = 1 - (1 - 4 / 64) ** 8
@@ -391,7 +397,7 @@ def test_a_moe_prices_its_routed_experts_as_a_grouped_gemm():
     assert reads > 8 * 4 * 4 * 1024 * 512 / (989e12 * 0.6 * 0.5 / 64.5)
     d_rest = max(8 * (2 * 1024 * 64 + 4 * 1024) / (989e12 * 0.6),
                  (64 * 1024 * 4 + 64 * 4 + 1024 * 2 + d.act * 2) / (3.35e12 * 0.8))
-    assert prov.op_seconds(op, prec, d, 1, 2.0, 8) == pytest.approx(reads + d_rest, rel=1e-9)
+    assert _at(prov, op, prec, 8, 1, 0, True) == pytest.approx(reads + d_rest, rel=1e-9)
 
 
 def test_attention_and_ssm_kernels_have_their_own_efficiency():
@@ -401,29 +407,106 @@ def test_attention_and_ssm_kernels_have_their_own_efficiency():
     w = att.work(16, 1, 4096, True, **ARGS)
     gemm = 2 * 16 * (1024 * 1024 * 2 + 2 * 256 * 1024)
     kv = 16 * 4096 * 2 * 256 * 2 + 16 * 2 * 256 * 2
-    core = max((w.flops - gemm) / (989e12 * 0.6), kv / (3.35e12 * 0.7))
+    core = max((w.flops - gemm) / (989e12 * 0.75), kv / (3.35e12 * 0.5))
     proj = max(gemm / (989e12 * 0.6), (sum(w.weights.values()) * 2 + w.act * 2) / (3.35e12 * 0.8))
-    assert prov.op_seconds(att, {k: "bf16" for k in att.params()}, w, 1, 2.0, 16) == pytest.approx(core + proj, rel=1e-9)
-    # the SSM state update streams fp32 state at mamba_memory (0.5): halving it doubles that part only
+    assert _at(prov, att, {k: "bf16" for k in att.params()}, 16, 1, 4096, True) == pytest.approx(core + proj, rel=1e-9)
+    # the SSM state update streams fp32 state at mamba_memory (0.25): halving it doubles that part only
     m = Mamba2(hidden=1024, heads=32, head_dim=64, state=128, groups=8)
     wm = m.work(64, 1, 0, True, **ARGS)
     prec = {k: "fp32" if k in m.fp32_params() else "bf16" for k in m.params()}
-    base = prov.op_seconds(m, prec, wm, 1, 2.0, 64)
-    slow = AnalyticProvider(h100, Efficiency(launch_seconds=0.0, mamba_memory=0.25)).op_seconds(m, prec, wm, 1, 2.0, 64)
+    base = _at(prov, m, prec, 64, 1, 0, True)
+    slow = _at(AnalyticProvider(h100, Efficiency(launch_seconds=0.0, mamba_memory=0.125)), m, prec, 64, 1, 0, True)
     state = (wm.state_read + wm.state_write) / 3.35e12
-    assert slow - base == pytest.approx(state / 0.25 - state / 0.5, rel=1e-9)
+    assert slow - base == pytest.approx(state / 0.125 - state / 0.25, rel=1e-9)
 
 
-def test_tensor_and_expert_parallel_collectives_by_hand():
+def test_collectives_per_layout_by_hand():
+    """Tensor parallel: a ring all-reduce of the block output; attention data parallel with expert-parallel
+    experts: a MoE's two all-to-alls of its tokens' k copies at the latent width; replicas: none."""
     prov = AnalyticProvider(TARGETS["8xb200"])
-    op = MoE(hidden=4096, experts=64, top_k=8, d_ff=512, shared_d_ff=0, latent=1024)
-    link = 1800e9 * 0.5
-    tokens = 256
-    allreduce = 2 * 7 / 8 * tokens * 4096 * 2 / link + 15e-6
-    all_to_all = 2 * 7 / 8 * (tokens / 8) * 8 * 1024 * 2 / link + 30e-6
-    assert prov.collective_seconds(op, tokens, 8, 2.0) == pytest.approx(allreduce + all_to_all, rel=1e-12)
+    moe = MoE(hidden=4096, experts=64, top_k=8, d_ff=512, shared_d_ff=0, latent=1024)
     att = Attention(hidden=4096, q_heads=32, kv_heads=2, head_dim=128)
-    assert prov.collective_seconds(att, tokens, 8, 2.0) == pytest.approx(allreduce, rel=1e-12)
+    link, lat = 1800e9 * 0.41, 6e-6
+    at = lambda layout: Deployment(Layout.parse(layout), 2.0, 1.0, 4.0)  # noqa: E731
+    allreduce = lambda g, n: 2 * (g - 1) / g * n * 4096 * 2 / link + lat  # noqa: E731
+    assert prov.collective_seconds(att, 256, at("tp8")) == pytest.approx(allreduce(8, 256), rel=1e-12)
+    assert prov.collective_seconds(moe, 256, at("tp8.ep8")) == pytest.approx(allreduce(8, 256), rel=1e-12)
+    all_to_all = 2 * (7 / 8 * 32 * 8 * 1024 * 2 / link + lat)  # 32 tokens per device, 7/8 of their copies leave
+    assert prov.collective_seconds(moe, 32, at("tp1.dp8.ep8")) == pytest.approx(all_to_all, rel=1e-12)
+    assert prov.collective_seconds(att, 32, at("tp1.dp8.ep8")) == 0.0
+    both = allreduce(2, 64) + 2 * (7 / 8 * 32 * 8 * 1024 * 2 / link + lat)  # tp2 groups of 64 tokens: 32 each
+    assert prov.collective_seconds(moe, 64, at("tp2.dp4.ep8")) == pytest.approx(both, rel=1e-12)
+    assert prov.collective_seconds(att, 64, at("tp1.r8")) == 0.0
+
+
+def test_layouts_round_trip_and_are_checked():
+    got = layouts(8)
+    assert len(got) == len(set(got)) == 13 and all(L.gpus == 8 for L in got)
+    assert {str(L) for L in got} >= {"tp8", "tp8.ep8", "tp1.dp8.ep8", "tp2.dp4.ep8", "tp4.r2", "tp1.r8"}
+    assert all(Layout.parse(str(L)) == L for L in got)
+    for bad, why in (("tp0", ">= 1"), ("tp4.ep3", "must divide"), ("tp2.dp2", "ep4"), ("8", "tp<N>")):
+        with pytest.raises(PuzzlekitError, match=why):
+            Layout.parse(bad)
+
+
+def test_a_two_gpu_layout_by_hand():
+    """Super-like blocks on 2 B200s in each layout: per-device weights, KV replication and step times."""
+    mamba = Mamba2(hidden=4096, heads=128, head_dim=64, state=128, groups=8)
+    att = Attention(hidden=4096, q_heads=32, kv_heads=1, head_dim=128)  # one KV head: replicated at tp2
+    moe = MoE(hidden=4096, experts=8, top_k=2, d_ff=1024, shared_d_ff=0, latent=0)
+    prog = ir.meta_weights(ir.assemble(Embed(1024, 4096), [mamba, att, moe], Norm(4096), LMHead(1024, 4096),
+                                       meta={"dtype": "bfloat16"}))
+    sc = Scenario(input_len=1000, output_len=100, kv_dtype="bf16")
+    node = get_target("b200").node(2)
+    tp, rep, dp = (CostModel(prog, node, sc, layout=x) for x in ("tp2", "tp1.r2", "tp1.dp2.ep2"))
+    total = sum(math.prod(s) * 2 for n in prog.nodes for k, s in n.op.params().items()) \
+        + sum(math.prod(s) * 2 for op in (mamba, moe) for k, s in op.params().items() if k in op.fp32_params())
+    kv = sum(math.prod(att.params()[f"mixer.{k}_proj.weight"]) * 2 for k in "kv")
+    experts = sum(math.prod(s) * 2 for k, s in moe.params().items() if k.startswith("mixer.experts."))
+    assert tp.weight_bytes() == rep.weight_bytes() == dp.weight_bytes() == total
+    assert tp.device_weight_bytes() == pytest.approx((total - kv) / 2 + kv)  # K/V projections on both devices
+    assert rep.device_weight_bytes() == total
+    assert dp.device_weight_bytes() == pytest.approx(total - experts / 2)  # only the experts are spread
+    ctx = sc.context_len
+    m_state, a_state = mamba.state_bytes(2.0, 4.0, 2.0, ctx), att.state_bytes(2.0, 4.0, 2.0, ctx)
+    assert tp.device_state_bytes() == pytest.approx(m_state / 2 + a_state)  # the one KV head is on both
+    assert rep.device_state_bytes() == dp.device_state_bytes() == pytest.approx(m_state + a_state)
+    # memory: a replica's requests fill its devices; tp2 and replicas hold one copy per device pair or device
+    avail = 183359 * 2**20 - tp.reserve_bytes()
+    assert tp.max_requests() == int((avail - tp.device_weight_bytes()) // tp.device_state_bytes())
+    assert dp.max_requests() == 2 * int((avail - dp.device_weight_bytes()) // dp.device_state_bytes())
+    assert rep.report().max_concurrency == 2 * rep.max_requests()
+    # the attention decode reads its KV cache once per device at tp2 (not split: one KV head)
+    prov = AnalyticProvider(node, Efficiency(launch_seconds=0.0))
+    d = lambda layout: Deployment(Layout.parse(layout), 2.0, 2.0, 4.0)  # noqa: E731
+    prec = {k: "bf16" for k in att.params()}
+    w = att.work(8, 1, 1000, True, **ARGS)
+    gemm = 2 * 8 * sum(math.prod(s) for s in att.params().values() if len(s) == 2)
+    core = max((w.flops - gemm) / 2 / (2250e12 * 0.75), (w.state_read + w.state_write) / (7.7e12 * 0.5))
+    wbytes = sum(v * 2 for k, v in w.weights.items())
+    proj = max(gemm / 2 / (2250e12 * 0.6), ((wbytes - kv) / 2 + kv + w.act * 2 / 2) / (7.7e12 * 0.8))
+    link = 1800e9 * 0.41
+    allreduce = 2 * (1 / 2) * 8 * 4096 * 2 / link + 6e-6
+    assert prov.seconds(att, prec, None, 8, 1, 1000, True, d("tp2")) == pytest.approx(core + proj + allreduce)
+    # data parallel: each group decodes 4 of the 8 requests with all the weights, no collective
+    w4 = att.work(4, 1, 1000, True, **ARGS)
+    gemm4 = 2 * 4 * sum(math.prod(s) for s in att.params().values() if len(s) == 2)
+    core4 = max((w4.flops - gemm4) / (2250e12 * 0.75), (w4.state_read + w4.state_write) / (7.7e12 * 0.5))
+    proj4 = max(gemm4 / (2250e12 * 0.6), (wbytes + w4.act * 2) / (7.7e12 * 0.8))
+    assert prov.seconds(att, prec, None, 8, 1, 1000, True, d("tp1.dp2.ep2")) == pytest.approx(core4 + proj4)
+    # expert parallel over 2 devices at 8 tokens: each device reads its 4 experts as they are chosen, the
+    # busiest by a normal bound on the count (mean + sd x sqrt(2 ln 2), at most all 4), and computes half the
+    # tokens' experts
+    p = 1 - (1 - 2 / 8) ** 8
+    size = 2 * 1024 * 4096 * 2
+    busiest = min(4 * p * size + math.sqrt(4 * p * (1 - p)) * size * math.sqrt(2 * math.log(2)), 4 * size)
+    flops = 8 * 2 * 4 * 4096 * 1024 / 2
+    eff = 0.6 * (8 * 2 / 8) / (8 * 2 / 8 + 64)
+    routed = max(flops / (2250e12 * eff), busiest / (7.7e12 * 0.8))
+    mprec = {k: "bf16" for k in moe.params()}
+    assert prov._routed(moe, mprec, None, 8, d("tp1.dp2.ep2")) == pytest.approx(routed)
+    even = max(flops / (2250e12 * eff), 8 * p * size / 2 / (7.7e12 * 0.8))  # ep1: a slice of every expert
+    assert prov._routed(moe, mprec, None, 8, d("tp2")) == pytest.approx(even)
 
 
 def _with_mtp(hidden=64):
@@ -456,8 +539,8 @@ def test_the_reserve_is_workspace_plus_the_activation_peak_in_bytes():
     assert cm.activation_bytes() == 1024 * 708 * 2 == 1449984
     assert cm.reserve_bytes() == 4 * 2**30 + 1449984
     node = CostModel(prog, "8xb200", Scenario(input_len=4096, prefill_chunk=1024, workspace_bytes=1e9))
-    assert node.reserve_bytes() == 8 * (1e9 + 1449984)
-    assert node.usable_memory() == 8 * 183359 * 2**20 - node.reserve_bytes()
+    assert node.reserve_bytes() == 1e9 + 1449984  # per device
+    assert node.usable_memory() == 183359 * 2**20 - node.reserve_bytes()
     short = CostModel(prog, "h100", Scenario(input_len=100, prefill_chunk=1024))  # a prompt shorter than a chunk
     assert short.activation_bytes() == 100 * 708 * 2
     with pytest.raises(PuzzlekitError, match="workspace_bytes"):

@@ -33,13 +33,17 @@ def super_lib(tmp_path_factory):
     return parent, build_library(parent, tmp_path_factory.mktemp("super") / "lib")
 
 
-def realised_figures(search: Search, plan, target: str, scenario: str, batch: int, requests: int, recipe=""):
+def realised_figures(search: Search, plan, target: str, scenario: str, constraints: Constraints, recipe=""):
+    """The realised child's figures by the cost model, in the plan's layout at its batch per replica."""
     child = search.child(search.rows_of(plan))
-    cm = CostModel(child, target, get_scenario(scenario, recipe=recipe or None))
-    s = cm.scenario
-    return child, {"decode_seconds": cm.decode_step_seconds(batch), "prefill_seconds": cm.prefill_seconds(),
-                   "serve_seconds": cm.serve_seconds(batch),
-                   "memory_bytes": cm.weight_bytes() + requests * cm.state_bytes_per_request(),
+    cm = CostModel(child, target, get_scenario(scenario, recipe=recipe or None), layout=plan.layout)
+    s, L = cm.scenario, cm.layout
+    b = plan.batch // L.replicas
+    requests = max(b if constraints.speedup else 0, -(-constraints.concurrency // L.replicas))
+    serve = cm.serve_seconds(b)
+    return child, {"decode_seconds": cm.decode_step_seconds(b), "prefill_seconds": cm.prefill_seconds(),
+                   "serve_seconds": serve, "rate_floor_seconds": serve,
+                   "memory_bytes": cm.device_weight_bytes() + L.requests_per_group(requests) * cm.device_state_bytes(),
                    "latency_seconds": cm.decode_step_seconds(1), "params": child.param_counts()["total"],
                    "active_params": child.param_counts()["active"], "context": s.context_len}
 
@@ -55,7 +59,7 @@ def test_the_mips_linear_costs_equal_the_cost_model_for_the_realised_child(meta_
     search = Search(lib, parent, [(target, scenario)], constraints=constraints)
     plan = search.plan()
     assert plan.feasible and plan.status == "optimal" and plan.score_source == "prior"
-    _, got = realised_figures(search, plan, target, scenario, plan.batch, constraints.concurrency or plan.batch)
+    _, got = realised_figures(search, plan, target, scenario, constraints)
     assert set(plan.predicted) == set(plan.limits)
     for k, v in plan.predicted.items():
         assert v == pytest.approx(got[k], rel=REL), k

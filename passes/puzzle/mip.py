@@ -146,6 +146,19 @@ def solve(problem: Problem, n_solutions: int = 1, min_distance: int = 1, time_li
     return found
 
 
+def lower_bound(problem: Problem) -> float | None:
+    """The LP relaxation's optimum: no choice scores less (None when even the relaxation is infeasible). Used
+    to skip problems that cannot beat a choice already found."""
+    reduced, base = _reduce(problem, problem.score)
+    top = reduced.max() if reduced.max() > 0 else 1.0
+    c = np.zeros(problem._n_vars)
+    c[:reduced.size] = reduced / top
+    with _native_stdout_to_stderr():
+        res = milp(c, integrality=np.zeros(problem._n_vars), bounds=Bounds(0, 1),
+                   constraints=_rows(problem, _constraints(problem), []))
+    return None if res.x is None else base + max(res.fun, 0.0) * top * (1 - 1e-9) - 1e-12 * abs(base)
+
+
 def minimum(problem: Problem, resource: str, drop=(), time_limit: float = 60.0) -> float | None:
     """The least achievable sum of `resource` when every other constraint holds (its own limit is ignored,
     and so are all bounds and uniform groups named in `drop`); None when even that is infeasible."""
