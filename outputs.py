@@ -145,9 +145,14 @@ def staged_dir(out, overwrite: bool = False, inputs: Iterable = (), need_bytes: 
         shutil.rmtree(box, ignore_errors=True)
 
 
-def write_json(path: Path, data) -> None:
-    """Writes `data` as JSON atomically (temp file beside it + rename); numpy scalars become floats."""
+def write_text(path: Path, text: str) -> None:
+    """Writes `text` atomically (temp file beside it + rename)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=float) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json(path: Path, data) -> None:
+    """Writes `data` as JSON atomically; numpy scalars become floats."""
+    write_text(path, json.dumps(data, indent=1, default=float) + "\n")

@@ -7,6 +7,7 @@ Assumptions are listed in docs/cost-model.md.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
@@ -48,6 +49,11 @@ class Scenario:
     mtp_resident: bool = False  # the MTP head's weights and state loaded (implied by mtp_draft)
     mtp_draft: int = 0  # tokens the MTP head drafts per step (speculative decoding); 0: plain decoding
     mtp_acceptance: float = 0.0  # mean tokens per step with drafting (accepted drafts + the verified one)
+
+    def to_toml(self) -> str:
+        """The scenario as a scenario file (one table, its fields), which `get_scenario` reads back."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+        return f"[{self.name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items())
 
     @property
     def context_len(self) -> int:
@@ -526,10 +532,14 @@ class CostModel:
         """The weights one device holds."""
         return sum(self._device_weights(n.op, self.precisions[n.path]) for n in self.prog.nodes if self._resident(n.op))
 
+    def _state(self, op, context: int) -> float:
+        """One request's state of `op` (all of it; a Mamba layer's SSM copies when drafting)."""
+        return op.state_bytes(self.kv_b, self.ssm_b, self.act_b, context) * \
+            (self.deployment.ssm_copies if op.kind == "mamba2" else 1)
+
     def state_bytes_per_request(self, context: int | None = None) -> float:
         c = self.scenario.context_len if context is None else context
-        return sum(n.op.state_bytes(self.kv_b, self.ssm_b, self.act_b, c) for n in self.prog.nodes
-                   if self._resident(n.op))
+        return sum(self._state(n.op, c) for n in self.prog.nodes if self._resident(n.op))
 
     def device_state_bytes(self, context: int | None = None) -> float:
         """One request's state on one device of its attention group (KV heads replicated past tp > KV heads)."""
@@ -688,7 +698,7 @@ class CostModel:
             if self._resident(n.op):
                 k["weight_bytes"] += sum(math.prod(sh) * BYTES[self.precisions[n.path][p]]
                                          for p, sh in n.op.params().items())
-                k["state_bytes_per_request"] += n.op.state_bytes(self.kv_b, self.ssm_b, self.act_b, s.context_len)
+                k["state_bytes_per_request"] += self._state(n.op, s.context_len)
         for kind, v in by_kind.items():
             v["decode_seconds"] = per_kind_decode.get(kind, 0.0)
             v["prefill_seconds"] = per_kind_prefill.get(kind, 0.0)

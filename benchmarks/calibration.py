@@ -139,8 +139,8 @@ def sensitivity(parent, child, eff: Efficiency) -> dict:
     out = {}
     for f in dataclasses.fields(Efficiency):
         v = getattr(eff, f.name)
-        out[f.name] = {name: [headlines(parent, child, dataclasses.replace(eff, **{f.name: v * s}))[name][1]
-                              for s in (0.8, 1.2)] for name in headlines(parent, child, eff)}
+        low, high = (headlines(parent, child, dataclasses.replace(eff, **{f.name: v * s})) for s in (0.8, 1.2))
+        out[f.name] = {name: [low[name][1], high[name][1]] for name in low}
     return out
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -63,6 +64,48 @@ def add_compute_arguments(parser) -> None:
     parser.add_argument("--max-memory", default="", metavar="SIZE",
                         help="host memory for weights and activations, e.g. 24GB (default: half of what is available); "
                              "a larger model is run layer by layer from its checkpoint")
+
+
+def add_workload_arguments(parser, mtp: bool = True) -> None:
+    """The workload a target is priced at, over the named --scenario (or a scenario .toml file): lengths, the
+    per-user rate floor, GPUs, the parallel layout and (with `mtp`) speculative decoding with the MTP head."""
+    g = parser.add_argument_group("workload (overrides the scenario's)")
+    g.add_argument("--input-len", type=_number(int, 1), help="prompt tokens per request")
+    g.add_argument("--output-len", type=_number(int, 1), help="generated tokens per request")
+    g.add_argument("--rate-floor", type=nonneg_float, help="tokens/s each user must see (0: none)")
+    g.add_argument("--gpus", type=positive_int, help="devices to use (default: all of the target's)")
+    g.add_argument("--layout", help="pin a parallel layout, e.g. tp8, tp8.ep8, tp1.dp8.ep8, tp2.r4 (default: the "
+                                    "best one is searched)")
+    if not mtp:
+        return
+    g.add_argument("--mtp", action="store_true", help="serve with speculative decoding: the MTP head drafts "
+                                                      "--mtp-draft tokens per step")
+    g.add_argument("--mtp-draft", type=positive_int, default=3, help="tokens drafted per step with --mtp (default 3)")
+    g.add_argument("--mtp-acceptance", type=_number(float, 1),
+                   help="mean tokens per step with --mtp (default: what mtp-check measured, from the checkpoint)")
+
+
+def measured_acceptance(prog) -> dict | None:
+    """The MTP acceptance mtp-check measured in the run that wrote `prog` ({"length", "drafts"}), if any."""
+    prov = prog.meta.get("provenance") or prog.meta.get("config", {}).get("provenance") or {}
+    return prov.get("mtp_acceptance")
+
+
+def scenario_of(args, prog=None, name: str | None = None):
+    """The scenario named by --scenario (or `name`) with the workload options applied."""
+    from ..backends.cost import get_scenario
+
+    over = {"input_len": args.input_len, "output_len": args.output_len, "rate_floor": args.rate_floor,
+            "gpus": args.gpus, "layout": args.layout}
+    if getattr(args, "mtp", False):
+        measured = measured_acceptance(prog) if prog is not None else None
+        acceptance = args.mtp_acceptance or (measured or {}).get("length")
+        if not acceptance:
+            raise UsageError("--mtp needs the head's acceptance length: give --mtp-acceptance (mean tokens per step), "
+                             "or price a checkpoint written by a pipeline that ran mtp-check")
+        drafts = args.mtp_draft if args.mtp_acceptance or not measured else measured.get("drafts", args.mtp_draft)
+        over |= {"mtp_draft": drafts, "mtp_acceptance": acceptance}
+    return get_scenario(name or args.scenario, **over)
 
 
 def compute_of(args):
@@ -197,7 +240,7 @@ def _run(args) -> int:
                           progress=not args.json and sys.stderr.isatty())
     before = prog.param_counts()
     pm = PassManager(passes, ins, args.device, args.dtype, args.max_memory)
-    pm.run(prog)
+    am = pm.run(prog)
     if int(os.environ.get("RANK", "0")):  # a data-parallel process under torchrun: rank 0 writes the result
         return 0
     prog.meta["provenance"] = {
@@ -205,6 +248,8 @@ def _run(args) -> int:
         "input": {"path": str(src), "sha256": _file_hashes(src)},
         "input_provenance": prog.meta.get("config", {}).get("provenance"),
         **({"plan": prog.meta["plan"]} if prog.meta.get("plan") else {}),
+        **({"mtp_acceptance": {"length": checks[-1]["acceptance"], "drafts": checks[-1]["drafts"]}}
+           if (checks := am.reports.get("mtp-check")) else {}),  # what `cost --mtp` prices the child with
     }
     shard = min(5 * 2**30, parse_size(args.max_memory) // 4) if args.max_memory else 5 * 2**30  # one shard is held
     ir.save(prog, out, overwrite=args.overwrite, extended=args.extended, max_shard_bytes=shard)
@@ -287,7 +332,7 @@ def warn_unrunnable_recipe(recipe: str | None, targets) -> None:
 
 
 def _cost(args) -> int:
-    from ..backends.cost import cost
+    from ..backends.cost import best_layout
     from ..backends.measured import MeasuredProvider
     from ..backends.targets import get_target
     from ..ir.printer import format_table
@@ -295,9 +340,11 @@ def _cost(args) -> int:
     compute = compute_of(args)
     prog = _model(args)
     warn_unrunnable_recipe(args.recipe, [args.target])
-    measured = MeasuredProvider(compute=compute) if get_target(args.target).kind == "cpu" else None
-    r = cost(prog, args.target, args.scenario, provider=measured, recipe=args.recipe, gpus=args.gpus,
-             concurrency=args.concurrency, mtp_resident=args.mtp or None)
+    target = get_target(args.target)
+    measured = MeasuredProvider(compute=compute) if target.kind == "cpu" else None
+    sc = scenario_of(args, prog)
+    sc = dataclasses.replace(sc, recipe=args.recipe or sc.recipe, concurrency=args.concurrency or sc.concurrency)
+    _, r = best_layout(prog, target, sc.check(), measured)
     s = r.scenario
     gb = 1e9
     rows = [("kind", "count", "weights GB", "state MB/req", "decode ms", "prefill ms")]
@@ -307,18 +354,27 @@ def _cost(args) -> int:
     rows.append(("total", "", f"{r.weight_bytes / gb:.3f}", f"{r.state_bytes_per_request / 1e6:.2f}",
                  f"{r.decode_step_seconds * 1e3:.3f}", f"{r.prefill_seconds * 1e3:.2f}"))
     table = format_table(rows).rstrip("\n")
+    tried = [("layout", "batch", "tokens/s", "tokens/s/user", "serving ms", "binding")] + [
+        (x["layout"] + (" *" if x["layout"] == r.layout else ""), str(x["max_batch"]), f"{x['throughput']:,.0f}",
+         f"{x['user_rate']:.1f}", f"{x['serve_step_ms']:.3f}", x["binding"] or "-") for x in r.layouts]
+    mtp = (f", MTP drafting {s.mtp_draft} at {s.mtp_acceptance:g} tokens/step" if s.mtp_draft else "")
     head = (f"{r.target}, scenario {s.name}: {s.input_len} in / {s.output_len} out, context {s.context_len}, "
-            f"rate floor {s.rate_floor:g} tok/s, KV {s.kv_dtype}, weights {s.recipe or 'bf16'}\n")
+            f"rate floor {s.rate_floor:g} tok/s, KV {s.kv_dtype}, weights {s.recipe or 'bf16'}{mtp}\n"
+            f"layout {r.layout}" + (" (pinned)" if s.layout else f" (best of {len(r.layouts)})") + "\n")
     h = r.headroom
     tail = (f"\nparams {r.params_total / 1e9:.2f}B total, {r.params_active / 1e9:.2f}B active\n"
-            f"memory: {r.weight_bytes / gb:.2f} GB weights, {r.reserve_bytes / gb:.2f} GB reserve (workspace and "
-            f"activations), {r.state_bytes_per_request / gb:.3f} GB state per request\n"
+            f"memory per device: {r.device_weight_bytes / gb:.2f} GB weights (of {r.weight_bytes / gb:.2f} GB), "
+            f"{r.reserve_bytes / gb:.2f} GB reserve (workspace and activations), "
+            f"{r.device_state_bytes_per_request / gb:.3f} GB state per request\n"
             f"max concurrency at context {s.context_len}: {r.max_concurrency}\n"
             f"max batch meeting the rate floor: {r.max_batch} (decode step {r.decode_step_seconds * 1e3:.3f} ms, "
             f"serving step with prefills {r.serve_step_seconds * 1e3:.3f} ms)\n"
-            f"throughput: {r.throughput_tokens_per_second:,.0f} tokens/s; prefill {r.prefill_seconds:.3f} s\n"
-            f"binding: {r.binding or 'none'}; headroom: {h['memory_bytes'] / gb:.2f} GB memory "
+            f"throughput: {r.throughput_tokens_per_second:,.0f} tokens/s, {r.user_tokens_per_second:.1f} per user; "
+            f"prefill {r.prefill_seconds:.3f} s\n"
+            f"binding: {r.binding or 'none'}; headroom: {h['memory_bytes'] / gb:.2f} GB memory per device "
             f"({h['requests']} more requests), {h['rate_tokens_per_second']:.1f} tokens/s per user above the floor\n")
+    if len(r.layouts) > 1:
+        tail += "layouts tried (* the best):\n" + format_table(tried)
     if r.infeasible:
         tail += f"infeasible: {r.infeasible}\n"
     _emit(args, r.to_json(), head + table + tail)
@@ -510,11 +566,11 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cost", help="price a model on a GPU target and deployment scenario")
     c.add_argument("model", nargs="?", help=model_help)
     c.add_argument("--target", default="h100", help="h100, h200, b200, 8xh100, ..., cpu, or a .toml/.json file")
-    c.add_argument("--scenario", default="decode-heavy", help="long-1m, decode-heavy, prefill-heavy, chat")
+    c.add_argument("--scenario", default="decode-heavy", help="long-1m, decode-heavy, prefill-heavy, chat, or a "
+                                                               ".toml file of one (FILE.toml:NAME for one of several)")
     c.add_argument("--recipe", help="weight precisions: bf16, fp8, nvfp4, nvfp4-hybrid")
-    c.add_argument("--gpus", type=positive_int, help="devices to use (tensor parallel; default: all of the target)")
     c.add_argument("--concurrency", type=positive_int, help="requests served at once (default: as many as fit)")
-    c.add_argument("--mtp", action="store_true", help="keep the MTP head resident (serving with speculative decoding)")
+    add_workload_arguments(c)
     c.set_defaults(run=_cost)
 
     x = sub.add_parser("export-onnx", help="lower a model to prefill/decode ONNX graphs, linted for TensorRT")

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from ..errors import PuzzlekitError, UsageError
-from ..outputs import write_json
+from ..outputs import write_json, write_text
 from .puzzle import add_constraint_arguments, constraints_of
 
 QUICK = {"library": "calib_windows=8,score_windows=2,seq=64,bld_tokens=4096",
@@ -133,8 +133,23 @@ def compress(args, progress: bool = True) -> dict:
     if out.resolve() == src or src in out.resolve().parents or out.resolve() in src.parents:
         raise PuzzlekitError(f"-o {out} would write into or around the input model {src}; choose another directory")
     library = Path(args.library) if args.library else out / "library"
+    args.scenario = _workload(args, out)
     with _pinned_cost_table(args, out):
         return _run(args, out, src, library, progress)
+
+
+def _workload(args, out: Path) -> str:
+    """The scenario the run prices: the named one, or with workload options its resolved form written to
+    OUT/scenario.toml (so the pipeline, a rerun and the report read the same one)."""
+    from ..backends.cost import get_scenario
+    from .cli import scenario_of
+
+    sc = scenario_of(args)
+    if sc == get_scenario(args.scenario):
+        return args.scenario
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "scenario.toml", sc.to_toml())
+    return str(out / "scenario.toml")
 
 
 def _run(args, out: Path, src: Path, library: Path, progress: bool) -> dict:
@@ -163,6 +178,9 @@ def _run(args, out: Path, src: Path, library: Path, progress: bool) -> dict:
     summary = {"pipeline": print_pipeline(passes), "resumed_at_pass": stages.resume_at, "passes": stages.count,
                "reports": am.reports, "seconds": clock, "model": str(src), "target": args.target,
                "scenario": args.scenario, "parent_params": parent.param_counts()["total"]}
+    if checks := am.reports.get("mtp-check"):  # what `cost --mtp` prices the child with
+        prog.meta.setdefault("provenance", {})["mtp_acceptance"] = {"length": checks[-1]["acceptance"],
+                                                                    "drafts": checks[-1]["drafts"]}
     summary["outputs"] = write_outputs(prog, parent, args, out, library)
     write_json(out / "work" / "summary.json", summary)
     from .report import write_report
@@ -240,13 +258,13 @@ def _relative(search, plan, key: str) -> float:
 def deployment(parent, child, args) -> dict:
     """Predicted figures of parent and child on the target; on the cpu target also measured ones (decode
     throughput at each one's largest batch meeting the scenario)."""
-    from ..backends.cost import CostModel, get_scenario
+    from ..backends.cost import best_layout, get_scenario
 
     recipe = deploy_recipe(args.target) or None
     out = {}
     for name, prog in (("parent", parent), ("child", child)):
-        r = CostModel(prog, args.target, get_scenario(args.scenario, recipe=recipe)).report()
-        out[name] = {"predicted": {"weight_gb": r.weight_bytes / 1e9, "max_batch": r.max_batch,
+        r = best_layout(prog, args.target, get_scenario(args.scenario, recipe=recipe))[1]
+        out[name] = {"predicted": {"weight_gb": r.weight_bytes / 1e9, "layout": r.layout, "max_batch": r.max_batch,
                                    "max_concurrency": r.max_concurrency,
                                    "decode_step_ms": r.decode_step_seconds * 1e3,
                                    "tokens_per_second": r.throughput_tokens_per_second}}
@@ -329,6 +347,8 @@ def run_report(args) -> int:
 
 
 def add_parsers(sub, model_help: str, positive_int, positive_float) -> tuple:
+    from .cli import add_workload_arguments
+
     c = sub.add_parser("compress", help="compress a model for a deployment target: search, distill, quantise, "
                                         "export, report (resumable)")
     c.add_argument("model", nargs="?", help=model_help)
@@ -336,6 +356,7 @@ def add_parsers(sub, model_help: str, positive_int, positive_float) -> tuple:
     c.add_argument("--target", default="cpu", help="h100, b200, 8xb200, ..., cpu")
     c.add_argument("--scenario", default="chat", help="long-1m, decode-heavy, prefill-heavy, chat")
     add_constraint_arguments(c, positive_int, positive_float)
+    add_workload_arguments(c, mtp=False)
     c.add_argument("--cost-table", metavar="FILE", help="the cpu target's op timings from an earlier run "
                                                         "(OUT/cost-table.json), so that it gives the same child")
     c.add_argument("--iterative", type=positive_int, default=1, help="rounds of search + distillation (Iterative "

@@ -80,7 +80,7 @@ def run_plan(args) -> int:
     from ..ir.printer import format_table
     from ..passes.puzzle import Library
     from ..passes.puzzle.search import Search
-    from .cli import UsageError, _emit, warn_unrunnable_recipe
+    from .cli import UsageError, _emit, scenario_of, warn_unrunnable_recipe
 
     lib = Library.open(args.library)
     parent = ir.load(args.parent or lib.manifest["parent"]["source"])
@@ -88,6 +88,7 @@ def run_plan(args) -> int:
     scenarios = args.scenario or ["decode-heavy"]
     if len(scenarios) not in (1, len(args.target)):
         raise UsageError(f"give one --scenario for all targets or one per --target ({len(args.target)})")
+    scenarios = [scenario_of(args, parent, s) for s in scenarios]
     targets = list(zip(args.target, scenarios * len(args.target) if len(scenarios) == 1 else scenarios))
     warn_unrunnable_recipe(args.recipe, args.target)
     c = constraints_of(args)
@@ -134,7 +135,8 @@ def constraints_of(args):
 
     c = Constraints(speedup=args.speedup or 0.0, decode_ms=args.decode_ms or 0.0, prefill_s=args.prefill_s or 0.0,
                     concurrency=args.concurrency or 0, context=args.context or 0, max_params=args.max_params or 0.0,
-                    max_active=args.max_active or 0.0, keep=tuple(args.keep), uniform=tuple(getattr(args, "uniform", ())))
+                    max_active=args.max_active or 0.0, keep=tuple(args.keep), uniform=tuple(getattr(args, "uniform", ())),
+                    mtp_acceptance=getattr(args, "child_mtp_acceptance", None) or 0.0)
     if not any((c.speedup, c.decode_ms, c.prefill_s, c.concurrency, c.max_params, c.max_active)):
         raise UsageError("the search needs a deployment target: name at least one constraint: --speedup, "
                          "--decode-ms, --prefill-s, --concurrency, --max-params or --max-active")
@@ -142,15 +144,19 @@ def constraints_of(args):
 
 
 def add_plan_parser(sub, positive_int, positive_float):
-    from .cli import _number
+    from .cli import _number, add_workload_arguments
 
     p = sub.add_parser("plan", help="search a block library for the architecture that meets a deployment target")
     p.add_argument("library", help="a library directory (puzzlekit library)")
     p.add_argument("--parent", help="the parent model (default: the one the library was built from)")
     p.add_argument("--target", action="append", required=True, help="h100, 8xb200, cpu, ... (repeatable)")
-    p.add_argument("--scenario", action="append", help="decode-heavy, long-1m, ... (one, or one per --target)")
+    p.add_argument("--scenario", action="append", help="decode-heavy, long-1m, ..., or a .toml file (one, or one "
+                                                         "per --target)")
     p.add_argument("--recipe", help="weight precisions for costing: bf16, fp8, nvfp4, nvfp4-hybrid")
     add_constraint_arguments(p, positive_int, positive_float)
+    add_workload_arguments(p)
+    p.add_argument("--child-mtp-acceptance", type=_number(float, 1),
+                   help="with --mtp: the child's head's acceptance length (default: the parent's)")
     p.add_argument("--uniform", action="append", default=[], help="KIND.AXIS equal in every layer, e.g. mamba2.state")
     p.add_argument("--metric", default="kl", help="score minimised: kl, lm_loss, ... (as recorded)")
     p.add_argument("--method", default="mip", choices=["mip", "uniform", "greedy"])

@@ -117,7 +117,7 @@ class Puzzle(ComputePass):
         am.reports.setdefault("puzzle", []).append({"round": [i, n], "predicted": plan.predicted, "limits": plan.limits,
                                                     "parent": plan.parent, "objective": plan.objective,
                                                     "params": plan.params_total, "rescored": bool(later),
-                                                    "batch": plan.batch,
+                                                    "batch": plan.batch, "layout": plan.layout,
                                                     "parent_batch": search.base[0].max_batch if search.base else 1,
                                                     "throughput_ratio": search.throughput_ratio(plan)})
         return Preserved.none()

@@ -426,11 +426,16 @@ class Search:
         start, best, failed = time.perf_counter(), None, None
         heap, order = [], itertools.count()
         roots = self.spans()
-        # single batches first (a range's ends and middle; the baselines try only these), so that an incumbent
-        # prunes the ranges early
+        # the ranges and single batches of them (their ends and middle; the baselines try only these, at
+        # power-of-two batches too), each keyed by its LP relaxation's bound (none: nothing there is feasible)
         for spans in [s for spans in roots for s in self._grid(spans, method == "mip")] + \
                 (roots if method == "mip" else []):
-            heapq.heappush(heap, (-math.inf, next(order), spans))
+            pr = self.problem(spans)
+            bound = lower_bound(pr.problem)
+            if bound is not None:
+                heapq.heappush(heap, (bound, next(order), spans))
+            elif pr.exact:
+                failed = failed or (self._solve("mip", pr, time_limit), pr)
         solved = 0
         while heap:
             bound, _, spans = heapq.heappop(heap)
@@ -443,7 +448,7 @@ class Search:
             pr = self.problem(spans)
             sols = self._solve(method, pr, time_limit)
             if isinstance(sols, Infeasible):
-                failed = failed or (sols, pr)
+                failed = failed if failed and isinstance(failed[0], Infeasible) else (sols, pr)
                 continue
             if not sols or (best is not None and sols[0].objective >= best[0][0].objective):
                 continue
@@ -455,11 +460,11 @@ class Search:
                     heapq.heappush(heap, (sols[0].objective, next(order), half))
         if best is None:
             near = None if None in self.nearest else tuple((li, b, b) for li, b, _ in self.nearest)
-            if (failed is None or not failed[1].exact) and near:  # the diagnosis at one batch
+            if not (failed and isinstance(failed[0], Infeasible) and failed[1].exact) and near:  # one batch's
                 pr = self.problem(near)
                 e = self._solve("mip", pr, time_limit)
                 failed = (e, pr) if isinstance(e, Infeasible) else failed
-            if failed:
+            if failed and isinstance(failed[0], Infeasible):
                 raise PlanError(explain(*failed) + self._fitting(failed[0])) from None
             raise PlanError(f"the {method} baseline finds no architecture that meets the constraints" if near else
                             "no layout of the target holds the model's smallest variant and one request in memory")
