@@ -115,7 +115,7 @@ def test_both_configs_cost_on_every_gpu_target():
             if target.kind != "gpu":
                 continue
             for sc in ("long-1m", "decode-heavy", "prefill-heavy"):
-                r = cost(prog, name, sc)
+                r = cost(prog, name, sc, layout=f"tp{target.devices}")  # layouts: test_a_two_gpu_layout_by_hand
                 assert r.weight_bytes > 0 and r.prefill_seconds > 0, (cfg.name, name, sc)
 
 
@@ -123,24 +123,24 @@ def test_named_scenarios_and_infeasibility():
     prog = ir.load(SUPER)
     r = cost(prog, "h100", "long-1m")
     assert r.max_concurrency == 0 and r.infeasible.startswith("memory: 241.5 GB of weights") and "h100" in r.infeasible
-    node = cost(prog, "8xb200", "long-1m", recipe="nvfp4-hybrid")
+    node = cost(prog, "8xb200", "long-1m", recipe="nvfp4-hybrid", layout="tp8")
     assert node.max_concurrency > 8 and node.max_batch == node.max_concurrency  # no rate floor
-    dec = cost(prog, "8xb200", "decode-heavy")
+    dec = cost(prog, "8xb200", "decode-heavy", layout="tp8")
     assert 0 < dec.max_batch <= dec.max_concurrency
     assert 1 / dec.serve_step_seconds >= 100 and dec.throughput_tokens_per_second == pytest.approx(
         dec.max_batch / dec.serve_step_seconds)
     assert dec.serve_step_seconds == pytest.approx(dec.decode_step_seconds + dec.max_batch / 65536 * dec.prefill_seconds)
     assert dec.binding == "rate floor" and dec.headroom["requests"] == dec.max_concurrency - dec.max_batch
-    slow = cost(prog, "8xb200", "decode-heavy", rate_floor=1e6)
+    slow = cost(prog, "8xb200", "decode-heavy", rate_floor=1e6, layout="tp8")
     assert slow.max_batch == 0 and slow.infeasible.startswith("rate floor: 1e+06 tokens/s per user wanted")
 
 
 def test_recipes_shrink_weights():
     prog = ir.load(SUPER)
-    b = {r: cost(prog, "8xb200", "chat", recipe=r).weight_bytes for r in ("bf16", "fp8", "nvfp4-hybrid", "nvfp4")}
+    b = {r: cost(prog, "8xb200", "chat", recipe=r, layout="tp8").weight_bytes for r in ("bf16", "fp8", "nvfp4-hybrid", "nvfp4")}
     assert b["bf16"] > b["fp8"] > b["nvfp4-hybrid"] > b["nvfp4"]
     assert b["bf16"] == pytest.approx(2 * 120.67e9, rel=0.01)  # the trunk, router in FP32; the MTP head not loaded
-    with_mtp = cost(prog, "8xb200", "chat", recipe="bf16", mtp_resident=True).weight_bytes
+    with_mtp = cost(prog, "8xb200", "chat", recipe="bf16", mtp_resident=True, layout="tp8").weight_bytes
     assert with_mtp == pytest.approx(b["bf16"] + 2 * 2.94e9, rel=0.01)
 
 
