@@ -61,8 +61,9 @@ def main() -> None:
         except PlanError as e:
             print(f"\n{name}: priced in {priced:.1f} s; not reachable with this cost model:\n  {e}")
             continue
-        print(f"\n{name}: priced in {priced:.1f} s, solved in {plan.solve_seconds:.2f} s ({plan.status}, "
-              f"batch {plan.batch}; goal: under 5 s)\n  child: {describe(search, plan)}")
+        print(f"\n{name}: priced in {priced:.1f} s, solved in {plan.solve_seconds:.2f} s ({plan.status}, gap "
+              f"{plan.gap:.2%}, layout {plan.layout}, batch {plan.batch}; goal: under 5 s per solve)\n"
+              f"  child: {describe(search, plan)}")
         for k in plan.predicted:
             print(f"  {k}: parent {plan.parent[k]:.4g}, child {plan.predicted[k]:.4g}, bound {plan.limits[k]:.4g}")
 

@@ -458,7 +458,7 @@ def test_a_two_gpu_layout_by_hand():
                                        meta={"dtype": "bfloat16"}))
     sc = Scenario(input_len=1000, output_len=100, kv_dtype="bf16")
     node = get_target("b200").node(2)
-    tp, rep, dp = (CostModel(prog, node, sc, layout=x) for x in ("tp2", "tp1.r2", "tp1.dp2.ep2"))
+    tp, rep, dp, tep = (CostModel(prog, node, sc, layout=x) for x in ("tp2", "tp1.r2", "tp1.dp2.ep2", "tp2.ep2"))
     total = sum(math.prod(s) * 2 for n in prog.nodes for k, s in n.op.params().items()) \
         + sum(math.prod(s) * 2 for op in (mamba, moe) for k, s in op.params().items() if k in op.fp32_params())
     kv = sum(math.prod(att.params()[f"mixer.{k}_proj.weight"]) * 2 for k in "kv")
@@ -466,6 +466,7 @@ def test_a_two_gpu_layout_by_hand():
     assert tp.weight_bytes() == rep.weight_bytes() == dp.weight_bytes() == total
     assert tp.device_weight_bytes() == pytest.approx((total - kv) / 2 + kv)  # K/V projections on both devices
     assert rep.device_weight_bytes() == total
+    assert tep.device_weight_bytes() == pytest.approx(tp.device_weight_bytes())  # experts split either way
     assert dp.device_weight_bytes() == pytest.approx(total - experts / 2)  # only the experts are spread
     ctx = sc.context_len
     m_state, a_state = mamba.state_bytes(2.0, 4.0, 2.0, ctx), att.state_bytes(2.0, 4.0, 2.0, ctx)
@@ -505,6 +506,7 @@ def test_a_two_gpu_layout_by_hand():
     routed = max(flops / (2250e12 * eff), busiest / (7.7e12 * 0.8))
     mprec = {k: "bf16" for k in moe.params()}
     assert prov._routed(moe, mprec, None, 8, d("tp1.dp2.ep2")) == pytest.approx(routed)
+    assert prov._routed(moe, mprec, None, 8, d("tp2.ep2")) == pytest.approx(routed)  # whole experts, tokens on both
     even = max(flops / (2250e12 * eff), 8 * p * size / 2 / (7.7e12 * 0.8))  # ep1: a slice of every expert
     assert prov._routed(moe, mprec, None, 8, d("tp2")) == pytest.approx(even)
 

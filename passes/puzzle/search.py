@@ -412,10 +412,11 @@ class Search:
 
     # -- solving --------------------------------------------------------------------------------------------
     def plan(self, method: str = "mip", alternatives: int = 1, min_distance: int = 1,
-             time_limit: float = 60.0, alternatives_seconds: float = 60.0) -> Plan:
+             time_limit: float = 60.0, alternatives_seconds: float = 60.0, batch_seconds: float = 300.0) -> Plan:
         """The best choice over every layout and batch: by the MIP (with up to `alternatives` - 1 diverse
         runners-up at the best one, sought for at most `alternatives_seconds`), or by a baseline (`uniform`,
-        `greedy`, tried at each layout's power-of-two batches).
+        `greedy`, tried at each layout's power-of-two batches). Once a choice is found, the batch search stops
+        after MAX_SOLVES problems or `batch_seconds` and reports the gap left (`Plan.gap`, status).
 
         The MIP's batch is exact, by branch and bound over batch ranges: a range's relaxed problem (`problem`)
         admits every choice that some batch in the range admits, so its optimum bounds the range from below.
@@ -441,7 +442,7 @@ class Search:
             bound, _, spans = heapq.heappop(heap)
             if best is not None and bound >= best[0][0].objective - self.GAP * abs(best[0][0].objective):
                 continue
-            if best is not None and solved >= self.MAX_SOLVES:  # the rest bound the gap left
+            if best is not None and (solved >= self.MAX_SOLVES or time.perf_counter() - start > batch_seconds):
                 heapq.heappush(heap, (bound, next(order), spans))
                 break
             solved += 1
@@ -471,7 +472,7 @@ class Search:
         sols, pr = best
         open_bound = min((b for b, _, _ in heap), default=math.inf)
         left = max(0.0, (sols[0].objective - open_bound) / max(abs(sols[0].objective), 1e-300))
-        status = sols[0].status if left <= self.GAP else f"batch search stopped after {self.MAX_SOLVES} solves"
+        status = sols[0].status if left <= self.GAP else f"batch search stopped after {solved} solves"
         sols = [Solution(s.choice, s.objective, {k: math.fsum(v[s.choice]) for k, v in pr.costs.items()},
                          status if i == 0 else s.status, max(s.gap, left) if i == 0 else s.gap, s.seconds)
                 for i, s in enumerate(sols)]  # the totals at the batch chosen, and what the batch search left
