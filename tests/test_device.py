@@ -107,6 +107,7 @@ def test_a_bf16_bld_variant_lowers_its_loss_as_float32_does(parent):
     assert final[torch.bfloat16] <= 1.5 * final[torch.float32] + 1e-3
 
 
+@pytest.mark.slow  # heavy: runs with pytest -m slow
 def test_bf16_distillation_lowers_the_kl_as_float32_does(parent):
     from puzzlekit.passes import PassManager
     from puzzlekit.passes.distill import Distill, distill

@@ -163,6 +163,7 @@ def test_a_killed_distill_resumes_to_the_uninterrupted_result(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow  # heavy: runs with pytest -m slow
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     """torchrun, 2 processes (gloo): each takes half of the same global batch; DDP averages the gradients."""
     pipe = "snapshot{name=teacher},set-topk{k=1},distill{steps=3,batch=4,seq=32,eval_windows=1,keep_best=false}"

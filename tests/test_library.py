@@ -233,6 +233,7 @@ def test_torchrun_shares_the_layers_out_and_gives_the_same_library(lib, grid_fil
     assert json.loads((out / "manifest.json").read_text()) == lib.manifest
 
 
+@pytest.mark.slow  # heavy: runs with pytest -m slow
 def test_at_2x_cpu_throughput_the_mip_child_beats_the_baselines(lib, parent, tmp_path, monkeypatch):
     """The measured cpu provider prices the variants; every child meets the same throughput target. The MIP's
     summed score is the least (it is optimal), and its realised child is far closer to the parent than the

@@ -148,6 +148,7 @@ def test_fp8_export_runs_in_ort_and_matches_fake_quant(small, tmp_path):
     np.testing.assert_allclose(got["logits"], want.numpy(), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.slow  # heavy: runs with pytest -m slow
 def test_nvfp4_export_is_exact_under_the_reference_evaluator(small, tmp_path):
     prog = small.copy()
     PassManager("quantize{recipe=nvfp4-weight,samples=2,seq=32}").run(prog)

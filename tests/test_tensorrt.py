@@ -65,6 +65,7 @@ def test_reference_fp4_quantizer_follows_the_format():
     assert np.all(np.abs(q[1, 1, :8].astype(np.float32)) == [6, 4, 4, 2, 2, 1, 1, 0])
 
 
+@pytest.mark.slow  # heavy: runs with pytest -m slow
 def test_w4a4_export_passes_checker_and_reference_evaluator(tmp_path):
     prog = small_program()
     PassManager("quantize{recipe=nvfp4,samples=2,seq=32}").run(prog)

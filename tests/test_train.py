@@ -21,6 +21,7 @@ def _step(state_file):
         return 0
 
 
+@pytest.mark.slow  # heavy: runs with pytest -m slow
 def test_resume_after_kill_matches_uninterrupted(tmp_path):
     cfg = TrainConfig(**ARGS)
     whole = train(tmp_path / "whole", cfg, progress=False)
