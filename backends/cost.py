@@ -411,10 +411,6 @@ class CostModel:
         self._memo: dict = {}  # identical layers (same spec, precisions, routing) are priced once per shape
         self._activation = None
 
-    @property
-    def devices(self) -> int:
-        return self.layout.gpus
-
     def _precisions(self, path: str, op) -> dict:
         if op.kind == "lm_head" and op.tied:
             return {"weight": "bf16"}

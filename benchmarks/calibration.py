@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from puzzlekit import ir
-from puzzlekit.backends.cost import AnalyticProvider, Efficiency, best_layout, get_scenario
+from puzzlekit.backends.cost import AnalyticProvider, CostModel, Efficiency, best_layout, get_scenario
 from puzzlekit.backends.targets import get_target
 from puzzlekit.tools.default_model import config_path
 
@@ -84,10 +84,8 @@ def predict(point: Point, prog, eff: Efficiency) -> float:
     sc = get_scenario("chat", input_len=point.input_len, output_len=point.output_len, rate_floor=0.0,
                       concurrency=point.concurrency, kv_dtype="fp8" if point.precision != "bf16" else "bf16",
                       recipe=RECIPE[point.precision], layout=f"tp{point.gpus}")
-    cm, r = best_layout(prog, target, sc, AnalyticProvider(target, eff))
-    if point.concurrency == 1:
-        return 1 / cm.decode_step_seconds(1)
-    return r.throughput_tokens_per_second
+    cm = CostModel(prog, target, sc, AnalyticProvider(target, eff))  # the engine's layout, pinned
+    return 1 / cm.decode_step_seconds(1) if point.concurrency == 1 else cm.report().throughput_tokens_per_second
 
 
 def errors(points, models, eff) -> list[dict]:

@@ -534,6 +534,41 @@ def test_mtp_head_residency_on_and_off():
     assert off.node_costs(mtp_path, head, 4)["weight_bytes"] == 0.0
 
 
+def test_a_speculative_decoding_step_by_hand():
+    """d = 2 drafts: the head twice at batch B, the trunk verifying 3 tokens per request, the LM head at
+    3B positions and at each draft; 2.5 tokens per step; the Mamba layer keeps 3 SSM states."""
+    prog = _with_mtp()
+    plain = CostModel(prog, "h100", Scenario(context=100))
+    spec = CostModel(prog, "h100", Scenario(context=100, mtp_draft=2, mtp_acceptance=2.5))
+    prov, d = spec.provider, spec.deployment
+    assert d.ssm_copies == 3
+    B = 8
+    at = lambda op, b, t: prov.seconds(op, spec.precisions[n_path[op]], None, b, t, 100, True, d)  # noqa: E731
+    n_path = {n.op: n.path for n in prog.nodes}
+    head, lm = (next(n.op for n in prog.nodes if n.op.kind == k) for k in ("mtp", "lm_head"))
+    trunk = [n.op for n in prog.nodes if n.op.kind not in ("mtp", "lm_head")]
+    want = prov.step_overhead() + sum(at(op, B, 3) for op in trunk) + at(lm, 3 * B, 1) + 2 * at(lm, B, 1) \
+        + 2 * at(head, B, 1)
+    assert spec.decode_step_seconds(B) == pytest.approx(want, rel=1e-12)
+    # users get 2.5 tokens per serving step; each finishes a request every output_len / 2.5 steps
+    serve = spec.serve_seconds(B)
+    assert spec.prefill_share(B) == pytest.approx(B * 2.5 / spec.scenario.output_len)
+    assert spec.throughput(B, serve) == pytest.approx(B * 2.5 / serve)
+    # verification writes the three SSM states (memory bound here): two more state writes than plain decoding
+    mamba = trunk[1]
+    assert mamba.kind == "mamba2"
+    w = mamba.work(B, 3, 100, True, 2.0, 4.0, 2.0)
+    one = type(d)(d.layout, d.act_bytes, d.kv_bytes, d.ssm_bytes, 1)
+    extra = prov.seconds(mamba, spec.precisions[n_path[mamba]], None, B, 3, 100, True, d) \
+        - prov.seconds(mamba, spec.precisions[n_path[mamba]], None, B, 3, 100, True, one)
+    assert extra == pytest.approx(2 * w.state_write / (get_target("h100").bandwidth * prov.eff.mamba_memory), rel=1e-9)
+    m_state = mamba.state_bytes(2.0, 4.0, 2.0, 100)
+    assert spec.state_bytes_per_request() - plain.state_bytes_per_request() == pytest.approx(
+        2 * m_state + head.state_bytes(2.0, 4.0, 2.0, 100))  # two more SSM copies, and the head's own state
+    with pytest.raises(Exception, match=r"mtp_acceptance=3.5 .* \[1, 3\]"):
+        Scenario(mtp_draft=2, mtp_acceptance=3.5).check()
+
+
 def test_the_reserve_is_workspace_plus_the_activation_peak_in_bytes():
     prog = _program()  # hidden 64: Mamba2 (4 heads x 16, state 16, 2 groups), MoE (8 x 128, top-2), attention
     cm = CostModel(prog, "h100", Scenario(input_len=4096, prefill_chunk=1024))

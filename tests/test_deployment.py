@@ -1,6 +1,5 @@
 """The deployment model's search and workload: the batch chosen exactly (against brute force), memory for
-the batch and the concurrency together, one context for parent and child, speculative decoding by hand,
-and the workload options and scenario files of `cost` and `compress`."""
+the batch and the concurrency together, one context for parent and child, and the workload options and scenario files of `cost` and `compress`."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +10,7 @@ import re
 import pytest
 
 from puzzlekit import ir
-from puzzlekit.backends.cost import CostModel, Scenario, get_scenario
-from puzzlekit.backends.targets import get_target
-from puzzlekit.ir.ops import MLP, MTP, Attention, Embed, LMHead, Mamba2, MoE, Norm
+from puzzlekit.backends.cost import CostModel, get_scenario
 from puzzlekit.passes.puzzle import build_library
 from puzzlekit.passes.puzzle.mip import Infeasible, solve
 from puzzlekit.passes.puzzle.search import Constraints, Search
@@ -70,48 +67,6 @@ def test_parent_and_child_are_priced_at_one_context(meta_lib):
     own = CostModel(parent, "h100", get_scenario("chat", context=20000), layout=plan.layout)
     b = plan.batch
     assert plan.parent["serve_seconds"] == pytest.approx(own.serve_seconds(b), rel=1e-9)
-
-
-def _drafting_program(hidden=64):
-    blocks = [Mamba2(hidden, 4, 16, 16, 2), MoE(hidden, 8, 2, 128, 64), Attention(hidden, 4, 2, 16)]
-    mtp = MTP(hidden, (Attention(hidden, 4, 2, 16), MLP(hidden, 128)))
-    return ir.meta_weights(ir.assemble(Embed(256, hidden), blocks, Norm(hidden), LMHead(256, hidden), mtp,
-                                       meta={"dtype": "bfloat16"}))
-
-
-def test_a_speculative_decoding_step_by_hand():
-    """d = 2 drafts: the head twice at batch B, the trunk verifying 3 tokens per request, the LM head at
-    3B positions and at each draft; 2.5 tokens per step; the Mamba layer keeps 3 SSM states."""
-    prog = _drafting_program()
-    plain = CostModel(prog, "h100", Scenario(context=100))
-    spec = CostModel(prog, "h100", Scenario(context=100, mtp_draft=2, mtp_acceptance=2.5))
-    prov, d = spec.provider, spec.deployment
-    assert d.ssm_copies == 3
-    B = 8
-    at = lambda op, b, t: prov.seconds(op, spec.precisions[n_path[op]], None, b, t, 100, True, d)  # noqa: E731
-    n_path = {n.op: n.path for n in prog.nodes}
-    head, lm = (next(n.op for n in prog.nodes if n.op.kind == k) for k in ("mtp", "lm_head"))
-    trunk = [n.op for n in prog.nodes if n.op.kind not in ("mtp", "lm_head")]
-    want = prov.step_overhead() + sum(at(op, B, 3) for op in trunk) + at(lm, 3 * B, 1) + 2 * at(lm, B, 1) \
-        + 2 * at(head, B, 1)
-    assert spec.decode_step_seconds(B) == pytest.approx(want, rel=1e-12)
-    # users get 2.5 tokens per serving step; each finishes a request every output_len / 2.5 steps
-    serve = spec.serve_seconds(B)
-    assert spec.prefill_share(B) == pytest.approx(B * 2.5 / spec.scenario.output_len)
-    assert spec.throughput(B, serve) == pytest.approx(B * 2.5 / serve)
-    # verification writes the three SSM states (memory bound here): two more state writes than plain decoding
-    mamba = trunk[1]
-    assert mamba.kind == "mamba2"
-    w = mamba.work(B, 3, 100, True, 2.0, 4.0, 2.0)
-    one = type(d)(d.layout, d.act_bytes, d.kv_bytes, d.ssm_bytes, 1)
-    extra = prov.seconds(mamba, spec.precisions[n_path[mamba]], None, B, 3, 100, True, d) \
-        - prov.seconds(mamba, spec.precisions[n_path[mamba]], None, B, 3, 100, True, one)
-    assert extra == pytest.approx(2 * w.state_write / (get_target("h100").bandwidth * prov.eff.mamba_memory), rel=1e-9)
-    m_state = mamba.state_bytes(2.0, 4.0, 2.0, 100)
-    assert spec.state_bytes_per_request() - plain.state_bytes_per_request() == pytest.approx(
-        2 * m_state + head.state_bytes(2.0, 4.0, 2.0, 100))  # two more SSM copies, and the head's own state
-    with pytest.raises(Exception, match=r"mtp_acceptance=3.5 .* \[1, 3\]"):
-        Scenario(mtp_draft=2, mtp_acceptance=3.5).check()
 
 
 def test_a_head_that_accepts_more_makes_a_faster_child(meta_lib):

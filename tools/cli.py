@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -91,12 +90,12 @@ def measured_acceptance(prog) -> dict | None:
     return prov.get("mtp_acceptance")
 
 
-def scenario_of(args, prog=None, name: str | None = None):
-    """The scenario named by --scenario (or `name`) with the workload options applied."""
+def scenario_of(args, prog=None, name: str | None = None, **more):
+    """The scenario named by --scenario (or `name`) with the workload options (and `more` fields) applied."""
     from ..backends.cost import get_scenario
 
     over = {"input_len": args.input_len, "output_len": args.output_len, "rate_floor": args.rate_floor,
-            "gpus": args.gpus, "layout": args.layout}
+            "gpus": args.gpus, "layout": args.layout, **more}
     if getattr(args, "mtp", False):
         measured = measured_acceptance(prog) if prog is not None else None
         acceptance = args.mtp_acceptance or (measured or {}).get("length")
@@ -342,9 +341,8 @@ def _cost(args) -> int:
     warn_unrunnable_recipe(args.recipe, [args.target])
     target = get_target(args.target)
     measured = MeasuredProvider(compute=compute) if target.kind == "cpu" else None
-    sc = scenario_of(args, prog)
-    sc = dataclasses.replace(sc, recipe=args.recipe or sc.recipe, concurrency=args.concurrency or sc.concurrency)
-    _, r = best_layout(prog, target, sc.check(), measured)
+    sc = scenario_of(args, prog, recipe=args.recipe, concurrency=args.concurrency)
+    _, r = best_layout(prog, target, sc, measured)
     s = r.scenario
     gb = 1e9
     rows = [("kind", "count", "weights GB", "state MB/req", "decode ms", "prefill ms")]

@@ -181,13 +181,13 @@ class Search:
         self.score, self.score_source = self._scores(metric)
         self.uniform = {u: self._labels(u) for u in self.c.uniform}
         self.scenarios = [self._scenario(s, recipe) for _, s in targets]
-        self.targets = [get_target(t) if isinstance(t, str) else t for t, _ in targets]
+        hardware = [get_target(t) if isinstance(t, str) else t for t, _ in targets]
         # the child in every layout of each target's GPUs (or the one pinned), drafting as its head accepts
         self.models = [[CostModel(parent, t, self._child(s), provider, layout=L)
                         for L in ([s.layout] if s.layout else layouts(s.gpus or t.devices))]
-                       for t, s in zip(self.targets, self.scenarios)]
+                       for t, s in zip(hardware, self.scenarios)]
         need_base = self.c.speedup or (fraction < 1 and self.c.concurrency)
-        self.base = [best_layout(parent, t, s, provider)[1] for t, s in zip(self.targets, self.scenarios)] \
+        self.base = [best_layout(parent, t, s, provider)[1] for t, s in zip(hardware, self.scenarios)] \
             if need_base else []
         if fraction < 1:  # counts move here, bounds in `problem` (they need the parent's figures)
             base = self.base[0].max_concurrency if self.c.concurrency else 0
