@@ -31,12 +31,35 @@ def is_validation(name: str, every: int = 20) -> bool:
     return int(hashlib.sha1(name.encode()).hexdigest(), 16) % every == 0
 
 
+#: the three disjoint parts of the held-out text, each for one use, so that no figure is measured on data the
+#: step it judges was chosen on: `scoring` the library's replace-one-block scores (the search minimises them),
+#: `selection` distillation's keep-best evaluations, `report` every figure reported (compress's report, `eval`,
+#: `mtp-check`, the benchmarks)
+HELD_OUT = ("scoring", "selection", "report")
+
+
 @dataclass
 class Corpus:
     """One byte stream per split (documents joined by a blank line)."""
 
     train: np.ndarray  # uint8
     valid: np.ndarray
+
+    def held_out(self, role: str) -> np.ndarray:
+        """The `role` third of the held-out stream (see HELD_OUT): consecutive, disjoint parts, each cut at the
+        first blank line past its third where there is one (documents are joined by one)."""
+        if role not in HELD_OUT:
+            raise DataError(f"unknown held-out set {role!r}; known: {', '.join(HELD_OUT)}")
+        cuts = [0, *(_boundary(self.valid, len(self.valid) * k // 3) for k in (1, 2)), len(self.valid)]
+        i = HELD_OUT.index(role)
+        return self.valid[cuts[i]:cuts[i + 1]]
+
+
+def _boundary(stream: np.ndarray, at: int) -> int:
+    """The end of the first SEPARATOR at or after byte `at` (`at` itself when none follows)."""
+    sep = np.frombuffer(SEPARATOR, dtype=np.uint8)
+    starts = np.flatnonzero((stream[at:len(stream) - 1] == sep[0]) & (stream[at + 1:] == sep[1]))
+    return at + int(starts[0]) + len(sep) if len(starts) else at
 
 
 def _join(docs: list[bytes]) -> np.ndarray:
@@ -117,6 +140,14 @@ def random_windows(stream: np.ndarray, batch: int, length: int, generator: torch
         raise DataError(f"the text ({len(stream)} bytes) is shorter than one window of {length} bytes")
     starts = torch.randint(0, len(stream) - length, (batch,), generator=generator).numpy()
     return torch.from_numpy(np.stack([stream[s:s + length] for s in starts]).astype(np.int64))
+
+
+def held_out_windows(corpus: Corpus, role: str, length: int, limit: int | None = None) -> torch.Tensor:
+    """`sequential_windows` of one held-out set (`Corpus.held_out`), naming the set when it is too short."""
+    try:
+        return sequential_windows(corpus.held_out(role), length, limit)
+    except DataError as e:
+        raise DataError(f"the {role} set (a third of the held-out text): {e}") from None
 
 
 def sequential_windows(stream: np.ndarray, length: int, limit: int | None = None) -> torch.Tensor:
