@@ -5,7 +5,8 @@ The top level is an ordinary `nemotron_h` config. `block_configs` has one object
 NemotronHConfig fields that override the top level for that layer. vLLM builds a layer's config from the
 top level without the fields any block overrides, updated with that block's fields
 (`get_nemotron_h_config_for_layer`), so a field one block of a kind overrides, every block of that kind
-carries; MoE blocks always carry their expert geometry, as the published children do.
+carries; MoE blocks always carry their expert geometry, as the published children do. TensorRT-LLM builds
+the MTP head's layers from the top level, so the top level holds the head's fields.
 
 What engines read from the top level only is refused when layers differ in it: the Mamba geometry (vLLM
 builds Mamba layers and their state caches from the top level) and the norms' epsilon. vLLM's MTP head
@@ -68,6 +69,8 @@ def layers_config(blocks: list, mtp: MTP | None, eps: float) -> dict:
                                              "layers and their state caches from the top level, so every Mamba "
                                              "layer must share them")
                     blockwise.add(k)
+    for where, op in layers[len(blocks):]:  # TensorRT-LLM builds the MTP head's layers from the top level
+        top.update(fields_of(op))
     if "moe_latent_size" in blockwise:  # a block without one must not fall back to another's (TensorRT-LLM does)
         top["moe_latent_size"] = None
     blockwise |= set(MOE_ALWAYS) if "moe" in per_kind else set()

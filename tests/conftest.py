@@ -138,3 +138,34 @@ def small_library(small_grid_file, tmp_path_factory):
 
     settings = LibrarySettings(calib_windows=8, score_windows=2, seq=64, bld_tokens=4096)
     return build_library(ir.load(model_path(None)), tmp_path_factory.mktemp("lib") / "lib", small_grid_file, settings)
+
+
+def _engine_layer_config(cfg: dict, block: dict) -> dict:
+    """vLLM's get_nemotron_h_config_for_layer: the top level without every field any block overrides,
+    updated with this block's fields."""
+    blocks = cfg["block_configs"] + cfg["mtp_block_configs"]
+    overridden = {k for b in blocks for k, v in b.items() if v is not None}
+    out = {k: v for k, v in cfg.items() if k not in overridden | {"block_configs", "mtp_block_configs"}}
+    out.update({k: v for k, v in block.items() if v is not None})
+    return out
+
+
+def _served_layers(cfg: dict) -> list[tuple[str, dict, object]]:
+    """(tensor prefix, block config, transformers' NemotronHBlock) of every layer, trunk and MTP head, each built from its
+    config the way vLLM builds it: the independent oracle of what a serving engine makes of a checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.nemotron_h import modeling_nemotron_h as hfm
+
+    layers = [(f"backbone.layers.{i}.", b, i, cfg["layers_block_type"]) for i, b in enumerate(cfg["block_configs"])]
+    layers += [(f"mtp.layers.{i}.", b, i, cfg["mtp_layers_block_type"]) for i, b in enumerate(cfg["mtp_block_configs"])]
+    out = []
+    for prefix, block, idx, types in layers:
+        hf_cfg = transformers.NemotronHConfig.from_dict(_engine_layer_config(cfg, block) | {"layers_block_type": types})
+        out.append((prefix, block, hfm.NemotronHBlock(hf_cfg, layer_idx=idx).float().eval()))
+    return out
+
+
+@pytest.fixture(scope="session")
+def served_layers():
+    """The function `_served_layers(config dict)`: every layer as a serving engine builds it."""
+    return _served_layers

@@ -86,6 +86,9 @@ def test_config_is_the_published_schema(saved, child):
                                        "moe_latent_size": 64}
     assert cfg["block_configs"][8]["n_routed_experts"] == 4 and cfg["block_configs"][4]["moe_intermediate_size"] == 64
     assert cfg["mtp_block_configs"][1]["num_experts_per_tok"] == 1
+    # TensorRT-LLM builds the MTP head's layers from the top level: there it finds the head's own fields
+    assert all(cfg[k] == v for b in cfg["mtp_block_configs"] for k, v in b.items() if k != "block_type")
+    assert cfg["num_experts_per_tok"] == 1 and cfg["n_routed_experts"] == 8
     # attention layers differ (one pruned to one KV group), so every attention block carries its heads
     assert cfg["block_configs"][3] == {"block_type": "attention", "num_attention_heads": 2, "num_key_value_heads": 1}
     assert cfg["head_dim"] == 32  # the same in every attention layer: top level only
@@ -95,16 +98,6 @@ def test_config_is_the_published_schema(saved, child):
                           "moe_shared_expert_intermediate_size", "moe_latent_size", "num_attention_heads",
                           "num_key_value_heads", "head_dim", "intermediate_size"}
     assert "mtp" not in cfg and not (saved / "hf_quant_config.json").exists()
-
-
-def _layer_config(cfg: dict, block: dict) -> dict:
-    """vLLM's get_nemotron_h_config_for_layer: the top level without every field any block overrides,
-    updated with this block's fields."""
-    blocks = cfg["block_configs"] + cfg["mtp_block_configs"]
-    overridden = {k for b in blocks for k, v in b.items() if v is not None}
-    out = {k: v for k, v in cfg.items() if k not in overridden | {"block_configs", "mtp_block_configs"}}
-    out.update({k: v for k, v in block.items() if v is not None})
-    return out
 
 
 def _hf_state(tensors: dict, prefix: str) -> dict:
@@ -120,23 +113,15 @@ def _hf_state(tensors: dict, prefix: str) -> dict:
     return out
 
 
-def test_every_layer_matches_transformers_block_built_from_the_config(saved, child):
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.nemotron_h import modeling_nemotron_h as hfm
-
+def test_every_layer_matches_transformers_block_built_from_the_config(saved, served_layers):
     cfg = json.loads((saved / "config.json").read_text())
     tensors = load_file(str(saved / "model.safetensors"))
     ours = materialize(ir.load(saved))
-    layers = [(f"backbone.layers.{i}.", b, i, cfg["layers_block_type"]) for i, b in enumerate(cfg["block_configs"])]
-    layers += [(f"mtp.layers.{i}.", b, i, cfg["mtp_layers_block_type"]) for i, b in enumerate(cfg["mtp_block_configs"])]
     g = torch.Generator().manual_seed(0)
     b, t, h = 2, 11, cfg["hidden_size"]
     causal = torch.full((t, t), float("-inf")).triu(1)[None, None].expand(b, 1, t, t)
     checked = 0
-    for prefix, block, idx, types in layers:
-        layer_cfg = _layer_config(cfg, block) | {"layers_block_type": types}
-        hf_cfg = transformers.NemotronHConfig.from_dict(layer_cfg)
-        blk = hfm.NemotronHBlock(hf_cfg, layer_idx=idx).float().eval()
+    for prefix, block, blk in served_layers(cfg):
         blk.load_state_dict(_hf_state(tensors, prefix), strict=True)
         x = torch.randn(b, t, h, generator=g)
         with torch.no_grad():

@@ -92,7 +92,7 @@ def run_plan(args) -> int:
     targets = list(zip(args.target, scenarios * len(args.target) if len(scenarios) == 1 else scenarios))
     warn_unrunnable_recipe(args.recipe, args.target)
     c = constraints_of(args)
-    search = Search(lib, parent, targets, args.recipe or "", args.metric, c)
+    search = Search(lib, parent, targets, args.recipe or "", args.metric, c, engine=args.engine)
     plan = search.plan(args.method, args.alternatives, args.min_distance,
                        alternatives_seconds=args.alternatives_seconds)
     if args.output:
@@ -126,6 +126,10 @@ def add_constraint_arguments(p, positive_int, positive_float) -> None:
     p.add_argument("--max-params", type=positive_float, help="total parameters at most")
     p.add_argument("--max-active", type=positive_float, help="active parameters per token at most")
     p.add_argument("--keep", action="append", default=[], help="block kind kept intact, e.g. attention")
+    p.add_argument("--engine", default="all", choices=["all", "vllm", "tensorrt-llm", "sglang", "none"],
+                   help="the serving engine the child must load in (default all: what vLLM, TensorRT-LLM and SGLang "
+                        "all load: uniform Mamba geometry, no noop/linear blocks, their MTP head form); none lifts "
+                        "the rules (with --extended)")
 
 
 def constraints_of(args):

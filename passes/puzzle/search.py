@@ -24,6 +24,7 @@ from ...backends.layout import layouts
 from ...backends.targets import get_target
 from ...ir import Program
 from ..core import PassError
+from .engines import DEFAULT_ENGINE, EngineProfile, get_engine
 from .library import Library, variant_label
 from .mip import Infeasible, Problem, Solution, TimedOut, lower_bound, solve
 
@@ -158,28 +159,34 @@ class Search:
 
     def __init__(self, lib: Library, parent: Program, targets: list[tuple], recipe: str = "",
                  metric: str = "kl", constraints: Constraints | None = None, provider=None,
-                 scores: dict | None = None, fraction: float = 1.0, schedule: str = "geometric"):
+                 scores: dict | None = None, fraction: float = 1.0, schedule: str = "geometric",
+                 engine: str | EngineProfile = DEFAULT_ENGINE):
         """`targets`: (target, scenario name or Scenario) pairs. `scores` ({(layer, id): scores}) restricts the
         options to those variants, scored anew (a later round of Iterative Puzzle); `fraction` < 1 moves every
         constraint only that part of the way from the parent's figure to its bound, on a `geometric` or
-        `linear` schedule."""
+        `linear` schedule. `engine` names the profile (engines.py) whose rules the child must meet to be served."""
         if schedule not in ("geometric", "linear"):
             raise PassError(f"schedule={schedule!r}: use geometric or linear")
         self.lib, self.parent, self.c = lib, parent, constraints or Constraints()
         self.fraction, self.schedule = fraction, schedule
-        kind_of = {r["layer"]: r["kind"] for r in lib.rows if r["id"] == "parent"}
+        self.engine = get_engine(engine)
+        self.engine.check_parent(parent)
+        self.parents = {r["layer"]: r for r in lib.rows if r["id"] == "parent"}
+        kind_of = {layer: r["kind"] for layer, r in self.parents.items()}
+        recipes = " ".join(self._scenario(sc, recipe).recipe or "" for _, sc in targets)  # NVFP4 kernel rules
         rows = lib.rows if scores is None else \
             [{**r, "scores": scores[r["layer"], r["id"]]} for r in lib.rows if (r["layer"], r["id"]) in scores]
-        self.rows = [r for r in rows if not (kind_of[r["layer"]] in self.c.keep and r["id"] != "parent")]
+        self.rows = [r for r in rows if not (kind_of[r["layer"]] in self.c.keep and r["id"] != "parent")
+                     and not self.engine.refusal(lib.spec(r), lib.spec(self.parents[r["layer"]]), recipes)]
         unknown = [k for k in self.c.keep if k not in kind_of.values()]
         if unknown:
             raise PassError(f"keep={list(unknown)}: no layer of the library is of that kind")
         self.layer = np.array([r["layer"] for r in self.rows])
         self.specs = [lib.spec(r) for r in self.rows]
         self.parent_counts = parent.param_counts()
-        self.parents = {r["layer"]: r for r in lib.rows if r["id"] == "parent"}
         self.score, self.score_source = self._scores(metric)
-        self.uniform = {u: self._labels(u) for u in self.c.uniform}
+        groups = dict.fromkeys(self.c.uniform + self.engine.uniform_groups(set(kind_of.values())))
+        self.uniform = {u: self._labels(u) for u in groups}
         self.scenarios = [self._scenario(s, recipe) for _, s in targets]
         hardware = [get_target(t) if isinstance(t, str) else t for t, _ in targets]
         # the child in every layout of each target's GPUs (or the one pinned), drafting as its head accepts
@@ -221,14 +228,16 @@ class Search:
         return np.array([r["scores"][metric] for r in self.rows]), f"measured {metric}"
 
     def _labels(self, name: str) -> np.ndarray:
-        kind, _, axis = name.partition(".")
+        """Per option its values of a uniform group "kind.attr" or "kind.attr+attr+..." (None: another kind)."""
+        kind, _, attrs = name.partition(".")
         specs = self.specs
         known = {a for r, s in zip(self.rows, specs) if r["kind"] == kind for a in s.attrs()}
-        if not axis or axis not in known or axis == "quant":
-            raise PassError(f"uniform={name!r}: {kind or '?'} has no attribute {axis!r}; "
-                            f"known: {', '.join(sorted(known - {'quant'})) or 'no layer of that kind'}")
-        return np.array([getattr(s, axis) if r["kind"] == kind else None for r, s in zip(self.rows, specs)],
-                        dtype=object)
+        for axis in attrs.split("+"):
+            if not axis or axis not in known or axis == "quant":
+                raise PassError(f"uniform={name!r}: {kind or '?'} has no attribute {axis!r}; "
+                                f"known: {', '.join(sorted(known - {'quant'})) or 'no layer of that kind'}")
+        return np.array([tuple(getattr(s, a) for a in attrs.split("+")) if r["kind"] == kind else None
+                         for r, s in zip(self.rows, specs)], dtype=object)
 
     # -- costs ----------------------------------------------------------------------------------------------
     def costs(self, cm: CostModel, batch: int) -> tuple[dict, dict, dict]:
@@ -616,7 +625,26 @@ def _total(row: Row, choice) -> float:
 
 
 def meets(pr: Priced, choice) -> bool:
-    return all(pr.costs[k][choice].sum() <= pr.bound[k] - pr.fixed[k] + 1e-12 * abs(pr.bound[k]) for k in pr.costs)
+    """Every bound holds and every uniform group has one label among the chosen options."""
+    return all(pr.costs[k][choice].sum() <= pr.bound[k] - pr.fixed[k] + 1e-12 * abs(pr.bound[k]) for k in pr.costs) \
+        and all(len({x for x in labels[choice] if x is not None}) <= 1 for labels in pr.problem.uniform.values())
+
+
+def _moved(search: Search, p: Problem, choice: np.ndarray, layer: int, option: int) -> np.ndarray | None:
+    """`choice` with `option` at `layer`, and every other layer whose option shares a uniform group with it but
+    not its label moved to its least-score option with the labels `option` has (None when a layer has none)."""
+    new = choice.copy()
+    new[layer] = option
+    want = {g: labels[option] for g, labels in p.uniform.items() if labels[option] is not None}
+    for other, members in enumerate(p.members):
+        cur = new[other]
+        if other == layer or all(p.uniform[g][cur] in (None, v) for g, v in want.items()):
+            continue
+        fits = [i for i in members if all(p.uniform[g][i] == v for g, v in want.items())]
+        if not fits:
+            return None
+        new[other] = min(fits, key=lambda i: search.score[i])
+    return new
 
 
 def uniform_choice(search: Search, pr: Priced) -> list[int] | None:
@@ -640,24 +668,27 @@ def uniform_choice(search: Search, pr: Priced) -> list[int] | None:
 
 def greedy_choice(search: Search, pr: Priced) -> list[int] | None:
     """From the parent, repeatedly take the single-layer change with the least score added per unit of the
-    most violated resource saved, until every constraint holds."""
+    most violated resource saved, until every constraint holds.
+    A change to a layer in a uniform group moves the group's other layers with it."""
     score, p = search.score, pr.problem
     choice = np.array([next((i for i in m if search.rows[i]["id"] == "parent"), min(m, key=lambda i: score[i]))
                        for m in p.members])  # the parent, or in a later round the least damaging option
-    while not meets(pr, choice):
+    for layer in range(len(choice)):  # a later round's start may mix a uniform group's labels: align them
+        choice = _moved(search, p, choice, layer, choice[layer]) if choice is not None else None
+    while choice is not None and not meets(pr, choice):
         over = {k: pr.costs[k][choice].sum() / max(pr.bound[k] - pr.fixed[k], 1e-30) for k in pr.costs}
         k = max(over, key=over.get)
         best, move = math.inf, None
         for layer, members in enumerate(p.members):
-            cur = choice[layer]
             for i in members:
-                saved = pr.costs[k][cur] - pr.costs[k][i]
-                if saved > 0 and (score[i] - score[cur]) / saved < best:
-                    best, move = (score[i] - score[cur]) / saved, (layer, i)
+                new = _moved(search, p, choice, layer, i) if i != choice[layer] else None
+                saved = pr.costs[k][choice].sum() - pr.costs[k][new].sum() if new is not None else 0.0
+                if saved > 0 and (score[new].sum() - score[choice].sum()) / saved < best:
+                    best, move = (score[new].sum() - score[choice].sum()) / saved, new
         if move is None:
             return None
-        choice[move[0]] = move[1]
-    return choice.tolist()
+        choice = move
+    return None if choice is None else choice.tolist()
 
 
 BASELINES = {"uniform": uniform_choice, "greedy": greedy_choice}

@@ -1,0 +1,125 @@
+"""Engine profiles: what a child must look like for a serving engine to load it, as rules on the search.
+
+A child no engine loads is no deployment, however good its score. vLLM, TensorRT-LLM and SGLang load
+`nemotron_h_puzzle` children, each reading some fields per layer and the rest from the top level only, which
+must then agree across layers (docs/engines.md has the code each rule was read from):
+- all three build Mamba layers and their state caches from the top level (so Puzzle-75B's SSM state is 96 in
+  every layer), know only mamba, moe, attention and mlp blocks (no `noop` or `linear`), and load an MTP head
+  of one attention and one MoE layer;
+- SGLang reads an MLP's width from the top level only; TensorRT-LLM reads per layer only the MoE fields, so
+  attention heads and MLP widths agree across layers, and its MoE routing kernel takes top-k <= 8 below 385
+  experts;
+- under NVFP4 a MoE latent that is cut must stay a multiple of 512 and an expert's width a multiple of the
+  16-value scale block.
+`all` (the default) admits what every engine loads; `none` lifts every rule (the child may then need
+puzzlekit's extended form, which no engine loads).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ...ir.nemotron_h_puzzle import MTP_KINDS
+from ...ir.quant.formats import NVFP4_BLOCK
+from ..core import PassError
+
+#: a rule on one layer's choice: (spec, the parent layer's spec, the recipes priced) -> why it is refused, or ""
+Rule = Callable[[object, object, str], str]
+
+
+def _nvfp4_latent(spec, parent, recipes: str) -> str:
+    """NVFP4 MoE latent a multiple of 512"""
+    if "nvfp4" in recipes and spec.kind == "moe" and spec.latent != parent.latent and spec.latent % 512:
+        return f"MoE latent {spec.latent} under NVFP4 (its kernels want a multiple of 512)"
+    return ""
+
+
+def _nvfp4_width(spec, parent, recipes: str) -> str:
+    """NVFP4 expert width a multiple of 16"""
+    if "nvfp4" in recipes and spec.kind == "moe" and spec.d_ff % NVFP4_BLOCK:
+        return f"expert width {spec.d_ff} under NVFP4 (it wants a multiple of {NVFP4_BLOCK}, its scale block)"
+    return ""
+
+
+def _routing_top_k(spec, parent, recipes: str) -> str:
+    """top-k <= 8 below 385 experts"""
+    if spec.kind == "moe" and spec.experts <= 384 and spec.top_k > 8 and spec.top_k != parent.top_k:
+        return f"top-k {spec.top_k} of {spec.experts} experts (TensorRT-LLM's routing takes top-k <= 8 below 385)"
+    return ""
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """The rules one engine (or every engine, `all`) puts on a child it loads."""
+
+    name: str
+    engines: tuple[str, ...]  # the engines that load what the profile admits
+    uniform: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (kind, attributes equal in every layer of that kind)
+    blocks: tuple[str, ...] | None = None  # block kinds admitted; None: any
+    mtp: tuple[str, ...] | None = None  # the MTP head's block kinds; None: any
+    rules: tuple[Rule, ...] = ()  # kernel-shape rules on each layer's choice
+
+    def uniform_groups(self, kinds) -> tuple[str, ...]:
+        """The search's uniform groups ("kind.attr+attr") for the block kinds present."""
+        return tuple(f"{k}.{'+'.join(attrs)}" for k, attrs in self.uniform if k in kinds)
+
+    def refusal(self, spec, parent, recipes: str = "") -> str:
+        """Why a layer may not take `spec` in place of `parent` (empty: it may)."""
+        if self.blocks is not None and spec.kind not in self.blocks:
+            return f"a {spec.kind} block (the engines load {', '.join(self.blocks)} blocks)"
+        return next((why for rule in self.rules if spec.kind == parent.kind and (why := rule(spec, parent, recipes))),
+                    "")
+
+    def check_parent(self, prog) -> None:
+        """Refuses a parent none of whose children this profile admits: an MTP head of another form."""
+        head = prog.find("mtp")
+        kinds = tuple(b.kind for b in head[0].op.blocks) if head else None
+        if self.mtp is not None and kinds is not None and kinds != self.mtp:
+            raise PassError(f"engine {self.name}: the model's MTP head has blocks {list(kinds)}, but "
+                            f"{', '.join(self.engines)} load a head of {list(self.mtp)}; no child of it can be "
+                            "served: use engine none (CLI: --engine none --extended)")
+
+    def describe(self) -> str:
+        """One line for reports: the profile and its rules."""
+        if not self.engines:
+            return "none (no engine's rules: the child may need puzzlekit's extended form, which no engine loads)"
+        rules = [f"{k} {'/'.join(a)} equal in every layer" for k, a in self.uniform]
+        rules += [f"{'/'.join(self.blocks)} blocks only"] if self.blocks is not None else []
+        rules += [f"an MTP head of {'+'.join(self.mtp)}"] if self.mtp is not None else []
+        rules += [r.__doc__ for r in self.rules]
+        return f"{self.name} (loadable by {', '.join(self.engines)}: {'; '.join(rules)})"
+
+
+def _every(name: str, profiles: list[EngineProfile]) -> EngineProfile:
+    """What every one of `profiles` loads: all their rules together."""
+    assert len({(p.blocks, p.mtp) for p in profiles}) == 1, "engines that differ in blocks or MTP form"
+    return EngineProfile(name, sum((p.engines for p in profiles), ()),
+                         uniform=tuple(dict.fromkeys(u for p in profiles for u in p.uniform)),
+                         blocks=profiles[0].blocks, mtp=profiles[0].mtp,
+                         rules=tuple(dict.fromkeys(r for p in profiles for r in p.rules)))
+
+
+MAMBA = ("mamba2", ("heads", "head_dim", "state", "groups"))
+ATTENTION = ("attention", ("q_heads", "kv_heads", "head_dim"))
+MLP = ("mlp", ("d_ff",))
+_PUBLISHED = {"blocks": ("mamba2", "moe", "attention", "mlp"), "mtp": MTP_KINDS}
+PROFILES = {
+    "vllm": EngineProfile("vllm", ("vLLM",), uniform=(MAMBA,), rules=(_nvfp4_latent, _nvfp4_width), **_PUBLISHED),
+    "sglang": EngineProfile("sglang", ("SGLang",), uniform=(MAMBA, MLP), rules=(_nvfp4_latent, _nvfp4_width),
+                            **_PUBLISHED),
+    "tensorrt-llm": EngineProfile("tensorrt-llm", ("TensorRT-LLM",), uniform=(MAMBA, ATTENTION, MLP),
+                                  rules=(_nvfp4_latent, _nvfp4_width, _routing_top_k), **_PUBLISHED),
+}
+PROFILES["all"] = _every("all", list(PROFILES.values()))
+PROFILES["none"] = EngineProfile("none", ())
+DEFAULT_ENGINE = "all"
+
+
+def get_engine(name) -> EngineProfile:
+    """A profile by name (an EngineProfile passes through)."""
+    if isinstance(name, EngineProfile):
+        return name
+    if name not in PROFILES:
+        raise PassError(f"unknown engine {name!r}; known: {', '.join(PROFILES)} (all: what every engine loads; "
+                        "none: no rules)")
+    return PROFILES[name]
