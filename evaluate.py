@@ -1,7 +1,11 @@
-"""Evaluation metrics: bits per byte, agreement with a teacher, MTP accuracy, speculative acceptance length."""
+"""Evaluation metrics: bits per byte, agreement with a teacher, MTP accuracy, speculative acceptance length,
+decode throughput. The one definition of each: distillation's loss terms and evaluations, the library's scores,
+every report and benchmark compute theirs here, so that their figures mean the same thing."""
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -31,6 +35,46 @@ def check_finite(values, what: str, model=None):
         cause = "its parameters are finite, so an activation overflowed (or a quantized weight is NaN/inf)"
     raise NonFiniteError(f"the model produced NaN/inf {what}: {cause}; check a checkpoint with "
                          "`puzzlekit inspect --check-finite`")
+
+
+# -- per position: the math every figure below is made of ----------------------------------------------------
+def kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions softened by `temperature`, nats per position
+    (logits [..., vocab]; float32 whatever their dtype)."""
+    t = F.log_softmax(teacher_logits.float() / temperature, -1)
+    s = F.log_softmax(student_logits.float() / temperature, -1)
+    return (t.exp() * (t - s)).sum(-1)
+
+
+def topk_kl(values: torch.Tensor, indices: torch.Tensor, student_logits: torch.Tensor,
+            temperature: float = 1.0) -> torch.Tensor:
+    """`kl` from the teacher's stored top-k alone: `values` its full-vocabulary log-probabilities at `indices`
+    [..., k]. The teacher's distribution is renormalised over its top k (softened by the temperature there:
+    exact, as softmax(logits / T) restricted to those tokens), the student's is its full log_softmax gathered
+    at the same indices:
+
+        sum_i p_i (log p_i - log q_i),  p = softmax(values / T) over the k,  q = softmax(student / T) over all
+
+    An approximation: the teacher's mass outside its top k is dropped (the value is still >= 0, and least when
+    the student puts the teacher's top-k proportions on those tokens and nothing elsewhere); with k = the
+    vocabulary it is `kl`."""
+    t = F.log_softmax(values.float() / temperature, -1)
+    s = F.log_softmax(student_logits.float() / temperature, -1).gather(-1, indices.long())
+    return (t.exp() * (t - s)).sum(-1)
+
+
+def agrees(teacher_top1: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Per position, whether the student's most likely next token is the teacher's (`teacher_top1`: its
+    argmax, or the first of its stored top-k)."""
+    return student_logits.argmax(-1) == teacher_top1.to(student_logits.device)
+
+
+def nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of `targets` [...] under `logits` [..., vocab], nats per position (float32); over a byte
+    vocabulary its mean / LN2 is bits per byte."""
+    flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                           targets.reshape(-1).to(logits.device), reduction="none")
+    return flat.view(targets.shape)
 
 
 def _batches(windows: torch.Tensor, batch: int):
@@ -67,9 +111,7 @@ def bits_per_byte(model, windows: torch.Tensor, batch: int = 8) -> float:
     """Mean next-byte cross-entropy in bits over every position of byte-level windows [n, T]."""
     total, count = 0.0, 0
     for ids, logits, _ in _forward(model, windows, batch):
-        logits = logits[:, :-1]
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1).to(logits.device),
-                                 reduction="sum").item()
+        total += nll(logits[:, :-1], ids[:, 1:]).sum().item()
         count += ids[:, 1:].numel()
     return total / count / LN2
 
@@ -84,14 +126,13 @@ def unigram_bits_per_byte(train: np.ndarray, windows: torch.Tensor) -> float:
 @torch.no_grad()
 def teacher_agreement(teacher, student, windows: torch.Tensor, batch: int = 8) -> dict:
     """KL(teacher || student) of the next-token distributions (nats per token) and top-1 agreement."""
-    kl, agree, count = 0.0, 0, 0
+    total, agree, count = 0.0, 0, 0
     for (ids, t, _), (_, s, _) in zip(_forward(teacher, windows, batch, " (teacher)"),
                                       _forward(student, windows, batch, " (student)")):
-        t, s = F.log_softmax(t.float(), -1), F.log_softmax(s.float(), -1)
-        kl += (t.exp() * (t - s)).sum().item()
-        agree += (t.argmax(-1) == s.argmax(-1)).sum().item()
+        total += kl(t, s).sum().item()
+        agree += agrees(t.argmax(-1), s).sum().item()
         count += ids.numel()
-    return {"kl": kl / count, "top1_agreement": agree / count}
+    return {"kl": total / count, "top1_agreement": agree / count}
 
 
 @torch.no_grad()
@@ -162,3 +203,30 @@ def acceptance_length(model, prompts: torch.Tensor, k: int, new_tokens: int, dra
             bonus = greedy[accepted]
             produced += accepted + 1
     return float(np.mean(lengths))
+
+
+# -- speed ------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def decode_throughput(model, batch: int, context: int, repeats: int = 15, warmup: int = 3, seed: int = 0) -> float:
+    """Tokens per second of one decode step of `batch` sequences after a `context`-token prefill: the median
+    over `repeats` timed steps (after `warmup` untimed ones), each from the same state, on seeded random ids.
+    `model` a materialized program (backends.torch.materialize). The one measurement of speed, so that every
+    measured throughput is comparable."""
+    if batch < 1 or context < 1 or repeats < 1 or warmup < 0:
+        raise PuzzlekitError(f"decode_throughput needs batch, context and repeats >= 1 and warmup >= 0 (got batch "
+                             f"{batch}, context {context}, repeats {repeats}, warmup {warmup})")
+    vocab = model.program.find("embed")[0].op.vocab
+    ids = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(seed))
+    _, state = model.prefill(ids)
+    device = model.compute.device
+    tok = ids[:, -1].to(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(warmup + repeats):
+        sync()
+        start = time.perf_counter()
+        model.decode(tok, state)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return batch / statistics.median(times)

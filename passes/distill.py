@@ -30,6 +30,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from .. import evaluate as metrics
 from ..backends.torch.device import CPU, Compute
 from ..ir import Program
 from ..training import FileCheckpoint, Schedule, ShardedCheckpoint, barrier, distributed, fit
@@ -95,27 +96,16 @@ class Source:
 
 # -- built-in loss terms ------------------------------------------------------------------------------------------
 def soft_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """KL(teacher || student) of the softened distributions, nats per token, scaled by T^2 (Hinton et al.)."""
-    t = F.log_softmax(teacher_logits.float() / temperature, -1)
-    s = F.log_softmax(student_logits.float() / temperature, -1)
-    return (t.exp() * (t - s)).sum(-1).mean() * temperature ** 2
+    """`evaluate.kl` of the softened distributions, averaged over positions and scaled by T^2 (Hinton et al.:
+    the gradient keeps its size whatever the temperature)."""
+    return metrics.kl(teacher_logits, student_logits, temperature).mean() * temperature ** 2
 
 
 def topk_kl(values: torch.Tensor, indices: torch.Tensor, student_logits: torch.Tensor,
             temperature: float) -> torch.Tensor:
-    """The KL term from the teacher's stored top-k: `values` its full-vocabulary log-probabilities at
-    `indices` [..., k]. The teacher's distribution is renormalised over its top k (softened by the
-    temperature there: exact, as softmax(logits / T) restricted to those tokens), the student's is its full
-    log_softmax gathered at the same indices:
-
-        sum_i p_i (log p_i - log q_i),  p = softmax(values / T) over the k,  q = softmax(student / T) over all
-
-    An approximation of KL(teacher || student): the teacher's mass outside its top k is dropped (the term
-    is still >= 0, and least when the student puts the teacher's top-k proportions on those tokens and
-    nothing elsewhere); with k = the vocabulary it is the full KL. Scaled by T^2 like `soft_kl`."""
-    t = F.log_softmax(values.float() / temperature, -1)
-    s = F.log_softmax(student_logits.float() / temperature, -1).gather(-1, indices.long())
-    return (t.exp() * (t - s)).sum(-1).mean() * temperature ** 2
+    """`soft_kl` from the teacher's stored top-k (`evaluate.topk_kl`: its mass outside them is dropped; with
+    k = the vocabulary it is the full KL)."""
+    return metrics.topk_kl(values, indices, student_logits, temperature).mean() * temperature ** 2
 
 
 @register_loss("kl")
@@ -141,8 +131,7 @@ def cosine_loss(b: Batch) -> torch.Tensor:
 @register_loss("lm")
 def lm_loss(b: Batch) -> torch.Tensor:
     """Next-token cross-entropy on the text itself."""
-    logits = b.student.logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b.ids[:, 1:].reshape(-1))
+    return metrics.nll(b.student.logits, b.ids[:, 1:]).mean()
 
 
 @register_loss("mtp")
@@ -158,12 +147,13 @@ def mtp_loss(b: Batch) -> torch.Tensor:
 # -- built-in data, optimiser ---------------------------------------------------------------------------------------
 @register_data("text")
 def text_source(d: Distill) -> Source:
-    """Random windows of byte-level text (the `data` files, or the Python standard library)."""
-    from ..data import load_corpus, random_windows, sequential_windows
+    """Random windows of byte-level text (the `data` files, or the Python standard library); evaluated on the
+    held-out `selection` set, which no reported figure uses (the best weights are chosen there)."""
+    from ..data import held_out_windows, load_corpus, random_windows
 
     corpus = load_corpus(list(d.data) or None)
     return Source(lambda g: random_windows(corpus.train, d.batch, d.seq + 1, g),
-                  sequential_windows(corpus.valid, d.seq + 1, limit=d.eval_windows))
+                  held_out_windows(corpus, "selection", d.seq + 1, limit=d.eval_windows))
 
 
 @register_optimizer("adamw-cosine")
@@ -227,12 +217,10 @@ def stored_agreement(student, windows: torch.Tensor, values: torch.Tensor, indic
     for i in range(0, len(windows), batch):
         ids = windows[i:i + batch]
         out = student(ids)
-        logits = (out[0] if isinstance(out, tuple) else out).float()
-        v, ix = values[i:i + batch].to(logits.device), indices[i:i + batch].to(logits.device).long()
-        t = F.log_softmax(v.float(), -1)
-        s = F.log_softmax(logits, -1)
-        kl += (t.exp() * (t - s.gather(-1, ix))).sum().item()
-        agree += (ix[..., 0] == s.argmax(-1)).sum().item()
+        logits = out[0] if isinstance(out, tuple) else out
+        v, ix = values[i:i + batch].to(logits.device), indices[i:i + batch].to(logits.device)
+        kl += metrics.topk_kl(v, ix, logits).sum().item()
+        agree += metrics.agrees(ix[..., 0], logits).sum().item()
         count += ids.numel()
     return {"kl": kl / count, "top1_agreement": agree / count}
 
@@ -257,18 +245,16 @@ class Evaluator:
 
     @torch.no_grad()
     def measure(self) -> dict:
-        from ..evaluate import teacher_agreement
-
         was = self.model.training
         self.model.eval()
         if self.teacher is None:
             m = stored_agreement(self.model, self.windows, *self.stored)
         else:
-            m = teacher_agreement(self.teacher, self.model, self.windows)
-            if self.model.program.find("mtp") and self.teacher.program.find("mtp"):
-                kl = [soft_kl(self.teacher(ids)[1][:, 1:], self.model(ids)[1][:, 1:], 1.0).item()
-                      for ids in self.windows.split(8)]
-                m["mtp_kl"] = sum(kl) / len(kl)
+            m = metrics.teacher_agreement(self.teacher, self.model, self.windows)
+            if self.model.program.find("mtp") and self.teacher.program.find("mtp"):  # from position 1, as the loss
+                kl = sum(metrics.kl(self.teacher(ids)[1][:, 1:], self.model(ids)[1][:, 1:]).sum().item()
+                         for ids in self.windows.split(8))
+                m["mtp_kl"] = kl / self.windows[:, 1:].numel()
         self.model.train(was)
         _reshard(self.model, self.teacher)
         return m
@@ -433,12 +419,11 @@ def _topk_of(teacher_prog, windows, compute, k) -> tuple[torch.Tensor, torch.Ten
     nats, positions counted) of the teacher on `windows`."""
     values, indices, ce, count = [], [], 0.0, 0
     for rows, got in _teacher_outputs(teacher_prog, windows, compute):
-        logp = F.log_softmax(got["logits"].float(), -1)
-        v, ix = logp.topk(k, dim=-1, sorted=True)
+        v, ix = F.log_softmax(got["logits"].float(), -1).topk(k, dim=-1, sorted=True)
         values.append(v.cpu())
         indices.append(ix.to(torch.int32).cpu())
-        ids = windows[rows].to(logp.device)
-        ce -= logp[:, :-1].gather(-1, ids[:, 1:, None]).sum().item()
+        ids = windows[rows]
+        ce += metrics.nll(got["logits"][:, :-1], ids[:, 1:]).sum().item()
         count += ids[:, 1:].numel()
     return torch.cat(values), torch.cat(indices), ce, count
 
@@ -518,10 +503,8 @@ class TeacherStore:
         ev = path / "eval.safetensors"
         if rank == world - 1 and not cls._eval_matches(ev, source.held_out):
             v, ix, ce, count = _topk_of(teacher_prog, source.held_out, compute, want["topk"])
-            from ..evaluate import LN2
-
             _save_atomic({"ids": source.held_out.to(torch.int32), "values": v, "indices": ix}, ev,
-                         {"teacher_bits_per_byte": repr(ce / count / LN2)})
+                         {"teacher_bits_per_byte": repr(ce / count / metrics.LN2)})
         barrier(world)
         store = cls(path)
         missing = [cls.chunk_name(f, min(d.steps, f + chunk)) for f in range(0, d.steps, chunk)
@@ -585,7 +568,6 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
             progress: bool = False, compute: Compute = CPU) -> dict:
     """Trains `prog`'s weights in place against `teacher_prog` on `compute`'s device and precision; returns
     the run's report."""
-    from ..evaluate import bits_per_byte
     from .puzzle.library import parent_hash
 
     if prog.is_meta or teacher_prog.is_meta:
@@ -700,7 +682,7 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
     with warnings.catch_warnings():
         # FSDP2 warns of blocks returning views (their decode states): nothing here changes them in place
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        before = {**ev.measure(), "bits_per_byte": bits_per_byte(student, source.held_out)}
+        before = {**ev.measure(), "bits_per_byte": metrics.bits_per_byte(student, source.held_out)}
         _reshard(student)
         ev.keep({"step": 0, **before})  # the starting point competes too: distillation must earn its keep
         try:
@@ -716,9 +698,9 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
         for name, t in full_state(student):  # whole tensors on every process: later passes run on each
             prog.weights.set(name, t.detach().clone().to("cpu", prog.weights.dtype(name)))
             prog.weights.spill_over(compute.budget // 4)  # past the budget, to scratch files as they come
-        after["bits_per_byte"] = bits_per_byte(student, source.held_out)
+        after["bits_per_byte"] = metrics.bits_per_byte(student, source.held_out)
         if teacher is not None:
-            teacher_bpb = bits_per_byte(teacher, source.held_out)
+            teacher_bpb = metrics.bits_per_byte(teacher, source.held_out)
         _reshard(student, teacher)
     return {"steps": run.step, "resumed_from": run.resumed_from, "stopped": run.stopped, "terms": terms,
             "before": before, "after": after, "teacher_bits_per_byte": teacher_bpb, "shard": shard,

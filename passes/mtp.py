@@ -1,9 +1,9 @@
 """MTP-head retention: the head must still draft well for the trunk it is attached to.
 
 `mtp-check` measures the mean acceptance length of greedy self-speculative decoding (the MTP head drafts,
-the trunk verifies; see evaluate.acceptance_length) on held-out prompts, for the program and for the
-teacher snapshot, and fails the pipeline when the program's falls more than `tolerance` below the
-teacher's. Recovery is `distill{head_only=true}`: it trains only the head's own weights.
+the trunk verifies; see evaluate.acceptance_length) on prompts from the held-out `report` set, for the
+program and for the teacher snapshot, and fails the pipeline when the program's falls more than `tolerance`
+below the teacher's. Recovery is `distill{head_only=true}`: it trains only the head's own weights.
 """
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ class MTPCheck(ComputePass):
     minimum: ClassVar[dict] = {"drafts": 1, "tolerance": 0.0, "prompts": 1, "prompt_len": 1, "new_tokens": 1}
 
     def run(self, prog, am):
-        from ..data import load_corpus, sequential_windows
+        from ..data import held_out_windows, load_corpus
 
-        prompts = sequential_windows(load_corpus(list(self.data) or None).valid, self.prompt_len, limit=self.prompts)
+        prompts = held_out_windows(load_corpus(list(self.data) or None), "report", self.prompt_len, limit=self.prompts)
         compute = self.compute(am)
         ours = acceptance(prog, prompts, self.drafts, self.new_tokens, compute)
         theirs = acceptance(teacher_program(self.teacher, am), prompts, self.drafts, self.new_tokens, compute)

@@ -7,6 +7,7 @@ import torch
 
 from puzzlekit import evaluate
 from puzzlekit.backends.torch import materialize, random_weights
+from puzzlekit.errors import PuzzlekitError
 from puzzlekit.data import (DataError, is_validation, random_windows, sequential_windows, stdlib_corpus, stdlib_files,
                             user_corpus)
 from puzzlekit.tools.default_model import default_architecture
@@ -59,6 +60,42 @@ def test_kl_matches_closed_form():
     want = float((p * (p / q).log()).sum())
     r = evaluate.teacher_agreement(Fixed(p), Fixed(q), torch.zeros(2, 5, dtype=torch.long))
     assert r["kl"] == pytest.approx(want, rel=1e-5) and r["top1_agreement"] == 0.0
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_per_position_metrics_against_numpy_and_scipy():
+    from scipy.special import rel_entr
+
+    g = torch.Generator().manual_seed(0)
+    t, s = torch.randn(2, 7, 50, generator=g) * 3, torch.randn(2, 7, 50, generator=g) * 3
+    targets = torch.randint(0, 50, (2, 7), generator=g)
+    for temperature in (1.0, 2.5):
+        p, q = _softmax(t.double().numpy() / temperature), _softmax(s.double().numpy() / temperature)
+        want = rel_entr(p, q).sum(-1)
+        got = evaluate.kl(t, s, temperature)
+        assert got.shape == (2, 7) and np.allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+        values, indices = torch.log_softmax(t, -1).topk(50, dim=-1)  # k = the vocabulary: the full KL
+        assert np.allclose(evaluate.topk_kl(values, indices, s, temperature).numpy(), want, rtol=1e-5, atol=1e-6)
+        v8, i8 = torch.log_softmax(t, -1).topk(8, dim=-1)
+        p8 = _softmax(v8.double().numpy() / temperature)  # the teacher renormalised over its top 8
+        want8 = rel_entr(p8, np.take_along_axis(q, i8.numpy(), -1)).sum(-1)
+        assert np.allclose(evaluate.topk_kl(v8, i8, s, temperature).numpy(), want8, rtol=1e-5, atol=1e-6)
+    want_nll = -np.log(np.take_along_axis(_softmax(s.double().numpy()), targets.numpy()[..., None], -1))[..., 0]
+    assert np.allclose(evaluate.nll(s, targets).numpy(), want_nll, rtol=1e-5, atol=1e-6)
+    assert torch.equal(evaluate.agrees(t.argmax(-1), s), torch.from_numpy(t.numpy().argmax(-1) == s.numpy().argmax(-1)))
+    assert bool(evaluate.agrees(t.argmax(-1), t).all())
+
+
+def test_decode_throughput_is_a_positive_rate_and_refuses_empty_work(model):
+    rate = evaluate.decode_throughput(model, batch=2, context=8, repeats=3, warmup=1)
+    assert math.isfinite(rate) and rate > 0
+    for batch, context in ((0, 8), (2, 0)):
+        with pytest.raises(PuzzlekitError, match=rf"batch, context and repeats >= 1.*batch {batch}, context {context}"):
+            evaluate.decode_throughput(model, batch=batch, context=context)
 
 
 def test_different_models_disagree(model, windows):

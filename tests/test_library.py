@@ -110,6 +110,21 @@ def test_resuming_with_other_settings_is_refused(lib, parent, grid_file):
         build_library(parent, lib.path, grid_file, LibrarySettings(**{**SETTINGS, "bld_tokens": 8192}))
 
 
+def test_a_library_of_the_earlier_format_is_refused_with_the_fix(lib, parent, grid_file, tmp_path):
+    """A /1 library was scored on held-out text that reported figures now use: opening or resuming it is refused."""
+    assert lib.manifest["scored_on"] == "scoring"
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("manifest.json", "settings.json"):
+        record = json.loads((lib.path / name).read_text())
+        (old / name).write_text(json.dumps({**record, "format": "puzzlekit-block-library/1"}))
+    for attempt in (lambda: Library.open(old, parent),
+                    lambda: build_library(parent, old, grid_file, LibrarySettings(**SETTINGS))):
+        with pytest.raises(LibraryError, match=r"holds a puzzlekit-block-library/1 library: its scores were measured "
+                                               r"on held-out text .* build it again with `puzzlekit library"):
+            attempt()
+
+
 def test_a_killed_library_command_resumes_to_the_same_manifest(lib, grid_file, tmp_path):
     out = tmp_path / "lib"
     cmd = [sys.executable, "-m", "puzzlekit.tools", "library", "-o", str(out), "--grid", str(grid_file), *CLI_SETTINGS,

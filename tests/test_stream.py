@@ -15,7 +15,7 @@ from puzzlekit.backends.torch import materialize
 from puzzlekit.backends.torch import stream as stream_module
 from puzzlekit.backends.torch.device import Compute
 from puzzlekit.backends.torch.stream import StreamedProgram
-from puzzlekit.data import load_corpus, sequential_windows
+from puzzlekit.data import held_out_windows, load_corpus, sequential_windows
 from puzzlekit.memory import parse_size
 from puzzlekit.passes import PassManager
 from puzzlekit.passes.puzzle import LibrarySettings, build_library
@@ -107,7 +107,8 @@ def test_a_library_built_in_a_tiny_budget_equals_the_one_built_in_memory(small_l
 def test_replace_one_block_scores_equal_the_whole_model_with_that_block_swapped(small_library, parent):
     """An independent oracle: the child with one layer realised from the library, run whole, against the parent."""
     s = small_library.manifest["settings"]
-    held = sequential_windows(load_corpus(None).valid, s["seq"] + 1, limit=s["score_windows"])[:, :-1]
+    held = held_out_windows(load_corpus(None), small_library.manifest["scored_on"], s["seq"] + 1,
+                            limit=s["score_windows"])[:, :-1]
     teacher = materialize(parent)
     rows = [r for r in small_library.rows if r["id"] != "parent" and r["layer"] in (0, 1, 4)]
     assert {r["kind"] for r in rows} >= {"mamba2", "moe"}

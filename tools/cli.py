@@ -285,17 +285,17 @@ def _train(args) -> int:
 def _eval(args) -> int:
     from .. import evaluate, ir
     from ..backends.torch.stream import StreamedProgram
-    from ..data import load_corpus, sequential_windows
+    from ..data import held_out_windows, load_corpus
     from .default_model import model_path
 
     compute = compute_of(args)
     if args.k > args.new_tokens:
         raise UsageError(f"--k {args.k} drafts more tokens per step than --new-tokens {args.new_tokens} generates")
     corpus = load_corpus(args.data)
-    windows = sequential_windows(corpus.valid, args.seq + 1, limit=args.windows)
+    windows = held_out_windows(corpus, "report", args.seq + 1, limit=args.windows)
     if len(windows) < args.prompts:
         raise UsageError(f"--prompts {args.prompts} needs as many held-out windows; there are {len(windows)} "
-                         f"(--windows {args.windows}, {len(corpus.valid):,} held-out bytes)")
+                         f"(--windows {args.windows}, {len(corpus.held_out('report')):,} bytes in the report set)")
     model = StreamedProgram(ir.verify(_model(args)), compute)
     res = {"model": str(model_path(args.model)), "compute": str(compute), "valid_bytes": int(windows[:, 1:].numel()),
            "bits_per_byte": evaluate.bits_per_byte(model, windows),

@@ -13,12 +13,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .. import evaluate, ir
 from ..backends.torch import materialize, random_weights
 from ..backends.torch.device import CPU, Compute
-from ..data import load_corpus, random_windows, sequential_windows
+from ..data import held_out_windows, load_corpus, random_windows
 from ..errors import PuzzlekitError
 from ..training import Schedule, fit
 from .default_model import default_architecture
@@ -62,8 +61,7 @@ def loss_fn(model, ids: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, 
     float32 whatever the forward's precision."""
     x, y = ids[:, :-1], ids[:, 1:].to(model.compute.device)
     logits, mtp = model(x)
-    trunk = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-    head = F.cross_entropy(mtp[:, 1:].reshape(-1, mtp.shape[-1]).float(), y[:, 1:].reshape(-1))
+    trunk, head = evaluate.nll(logits, y).mean(), evaluate.nll(mtp[:, 1:], y[:, 1:]).mean()
     return trunk + mtp_weight * head, {"loss": trunk.item(), "mtp_loss": head.item()}
 
 
@@ -86,7 +84,7 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
     model.eval()
     for name, t in model.state_dict().items():
         prog.weights.set(name, t.detach().clone().cpu())
-    windows = sequential_windows(corpus.valid, cfg.seq + 1, limit=cfg.eval_windows)
+    windows = held_out_windows(corpus, "selection", cfg.seq + 1, limit=cfg.eval_windows)
     metrics = {
         "step": step, "resumed_from": resumed_from, "finished": run.finished, "train_seconds": round(run.seconds, 1),
         "valid_bits_per_byte": evaluate.bits_per_byte(model, windows),

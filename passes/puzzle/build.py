@@ -30,8 +30,8 @@ from ...training import barrier, distributed
 from .bld import block_module, distill_block, linear_fit, nmse, seed_of
 from .grid import Variant, check_grid, load_grid, variants
 from .importance import ImportanceStats
-from .library import (FORMAT, MANIFEST, Library, LibraryError, load_row, parent_hash, replacement_spec, row_of,
-                      save_variant, slice_variant, variant_spec)
+from .library import (FORMAT, MANIFEST, SCORED_ON, Library, LibraryError, check_format, load_row, parent_hash,
+                      replacement_spec, row_of, save_variant, slice_variant, variant_spec)
 from .score import Scorer
 
 SETTINGS = "settings.json"
@@ -43,7 +43,7 @@ class LibrarySettings:
 
     grid: dict = field(default_factory=dict)
     calib_windows: int = 64  # training split windows for importance and BLD
-    score_windows: int = 16  # held-out windows for scoring and the reported BLD loss
+    score_windows: int = 16  # windows of the held-out `scoring` set for scoring and the reported BLD loss
     seq: int = 256
     bld_tokens: int = 65536  # per variant
     bld_lr: float = 1e-3
@@ -55,6 +55,7 @@ def _start(prog: Program, out: Path, settings: LibrarySettings, digest: str) -> 
     record = {"format": FORMAT, "parent_hash": digest, "settings": asdict(settings)}
     if (out / SETTINGS).exists():
         old = json.loads((out / SETTINGS).read_text())
+        check_format(old, out)
         if old.get("parent_hash") != digest:
             raise LibraryError(f"{out} holds a library of another parent; choose another -o")
         if old != record:
@@ -96,7 +97,7 @@ def build_library(prog: Program, out, grid_file=None, settings: LibrarySettings 
         rows = []
         for i, n, vs in todo:
             rows += [row_of(i, n.path, v, variant_spec(n.op, v)) if weightless else load_row(out, i, v.id) for v in vs]
-        manifest = {"format": FORMAT, "weightless": weightless,
+        manifest = {"format": FORMAT, "weightless": weightless, "scored_on": SCORED_ON,
                     "parent": {"hash": digest, "source": prog.meta.get("source", ""), "program": print_program(prog)},
                     "settings": asdict(settings), "variants": rows}
         write_json(out / MANIFEST, manifest)
@@ -133,12 +134,13 @@ class LayerInputs:
 
 
 def _windows(s: LibrarySettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """(calibration windows [n, seq] from the training split, held-out windows [m, seq + 1])."""
-    from ...data import load_corpus, sequential_windows
+    """(calibration windows [n, seq] from the training split, windows [m, seq + 1] of the held-out set the
+    scores are measured on: the search minimises them, so no reported figure may use that text)."""
+    from ...data import held_out_windows, load_corpus, sequential_windows
 
     corpus = load_corpus(s.data or None)
     return (sequential_windows(corpus.train, s.seq, limit=s.calib_windows),
-            sequential_windows(corpus.valid, s.seq + 1, limit=s.score_windows))
+            held_out_windows(corpus, SCORED_ON, s.seq + 1, limit=s.score_windows))
 
 
 def _sweep_parent(prog: Program, out: Path, s: LibrarySettings, known: dict | None, compute: Compute) -> None:

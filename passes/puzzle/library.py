@@ -2,7 +2,8 @@
 
 A library is a directory built once per parent model and reused for every target:
 
-    manifest.json                 parent (hash, source, program text), grid, one row per variant
+    manifest.json                 parent (hash, source, program text), grid, the held-out set scored on, one row
+                                  per variant
     importance.json               the ranks the variants were sliced by
     variants/L{layer:03d}/{id}.safetensors   a variant's (BLD-trained) block weights, local names
     variants/L{layer:03d}/{id}.json          its row: spec, sizes, init, BLD and scores (written atomically)
@@ -29,7 +30,10 @@ from ..core import PassError
 from .grid import Variant
 
 MANIFEST = "manifest.json"
-FORMAT = "puzzlekit-block-library/1"
+#: 2: the scores are measured on the held-out `scoring` set alone (data.HELD_OUT); 1's were on all the held-out
+#: text, which reported figures now use, so a /1 library is refused rather than reused
+FORMAT = "puzzlekit-block-library/2"
+SCORED_ON = "scoring"
 
 
 class LibraryError(PassError):
@@ -110,8 +114,7 @@ class Library:
                 from None
         except (OSError, ValueError) as e:
             raise LibraryError(f"{path / MANIFEST}: cannot read it ({e})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise LibraryError(f"{path / MANIFEST} is not a {FORMAT} manifest")
+        check_format(manifest, path)
         lib = cls(path, manifest)
         if parent is not None:
             lib.check(parent)
@@ -151,6 +154,19 @@ class Library:
         if lazy:
             return lazy_tensors(f)
         return load_file(str(f))
+
+
+def check_format(record, lib: Path) -> None:
+    """Refuses a manifest (or build record) of another format; a /1 library's scores were measured on held-out
+    text that reported figures now use, so it is to be built again rather than reused."""
+    got = record.get("format") if isinstance(record, dict) else None
+    if got == FORMAT:
+        return
+    if got == "puzzlekit-block-library/1":
+        raise LibraryError(f"{lib} holds a {got} library: its scores were measured on held-out text that reported "
+                           f"figures now use (a {FORMAT} library is scored on the `{SCORED_ON}` set alone); build it "
+                           f"again with `puzzlekit library MODEL -o NEW_DIR`, or remove {lib} and rerun")
+    raise LibraryError(f"{lib / MANIFEST} is not a {FORMAT} manifest")
 
 
 def save_variant(lib: Path, layer: int, vid: str, weights: dict, row: dict) -> None:

@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from ...evaluate import check_finite
+from ...evaluate import agrees, check_finite, kl, nll
 
 
 class Scorer:
@@ -52,14 +51,15 @@ class Scorer:
         final = self.inputs(len(self.nodes))
         sums = [[0.0, 0.0, 0.0] for _ in blocks]
         for k, s in enumerate(self._slices()):
-            p = F.log_softmax(self._logits(final[s]), -1)
+            p = self._logits(final[s])
+            top = p.argmax(-1)
             for v, acc in enumerate(sums):
-                q = F.log_softmax(check_finite(self._logits(ys[v][k]), f"logits with layer {layer} replaced"), -1)
-                acc[0] += (p.exp() * (p - q)).sum().item()
-                acc[1] += F.nll_loss(q.reshape(-1, q.shape[-1]), self.targets[s].reshape(-1), reduction="sum").item()
-                acc[2] += (p.argmax(-1) == q.argmax(-1)).sum().item()
+                q = check_finite(self._logits(ys[v][k]), f"logits with layer {layer} replaced")
+                acc[0] += kl(p, q).sum().item()
+                acc[1] += nll(q, self.targets[s]).sum().item()
+                acc[2] += agrees(top, q).sum().item()
         count = self.targets.numel()
-        return [{"kl": kl / count, "lm_loss": lm / count, "top1": agree / count} for kl, lm, agree in sums]
+        return [{"kl": d / count, "lm_loss": lm / count, "top1": agree / count} for d, lm, agree in sums]
 
 
 def sweep_inputs(stream, windows: torch.Tensor, batch: int = 8) -> Callable[[int], torch.Tensor]:
