@@ -169,3 +169,33 @@ def _served_layers(cfg: dict) -> list[tuple[str, dict, object]]:
 def served_layers():
     """The function `_served_layers(config dict)`: every layer as a serving engine builds it."""
     return _served_layers
+
+
+def _shapes(op) -> dict:
+    """A block's parameter shapes under transformers' names (routed experts stacked)."""
+    out, experts = {}, {}
+    for name, shape in op.params().items():
+        parts = name.split(".")
+        if parts[:2] == ["mixer", "experts"]:
+            experts.setdefault(f"mixer.experts.{parts[3]}", []).append(tuple(shape))
+        else:
+            out[name] = tuple(shape)
+    return out | {k: (len(v), *v[0]) for k, v in experts.items()}
+
+
+def _assert_served(prog: ir.Program, cfg: dict) -> None:
+    """Every layer of `prog`, as an engine builds it from the config `cfg` it was saved with, has the program's
+    parameter shapes."""
+    mtp = prog.find("mtp")
+    ours = {f"backbone.layers.{i}.": n.op for i, n in enumerate(prog.blocks())} | \
+        {f"mtp.layers.{i}.": b for i, b in enumerate(mtp[0].op.blocks if mtp else ())}
+    built = _served_layers(cfg)
+    assert len(built) == len(ours)
+    for prefix, _, blk in built:
+        assert {k: tuple(p.shape) for k, p in blk.state_dict().items()} == _shapes(ours[prefix]), prefix
+
+
+@pytest.fixture(scope="session")
+def assert_served():
+    """The function `_assert_served(program, saved config dict)`."""
+    return _assert_served

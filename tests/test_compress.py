@@ -62,6 +62,15 @@ def test_a_cost_table_is_refused_where_it_cannot_apply(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err and not out.exists()
 
 
+def test_lifting_the_engine_rules_needs_the_extended_form_said_up_front(tmp_path, capsys):
+    from puzzlekit.tools.cli import main
+
+    out = tmp_path / "run"
+    assert main(["compress", "--quick", "--target", "h100", "--max-params", "1e6", "--engine", "none", "-o",
+                 str(out)]) == 2
+    assert "add --extended" in capsys.readouterr().err and not out.exists()
+
+
 def test_a_target_that_cannot_price_the_scenario_is_refused_before_any_work(tmp_path, capsys):
     from puzzlekit.tools.cli import main
 
@@ -82,6 +91,15 @@ def test_the_child_meets_its_constraint_keeps_its_mtp_head_and_loads(run):
     assert child.find("mtp")
     assert summary["resumed_at_pass"] == 0 and summary["passes"] == 8
     assert [c["acceptance"] > 1 for c in summary["reports"]["mtp-check"]] == [True, True]
+
+
+@pytest.mark.slow
+def test_the_child_is_published_and_every_layer_builds_as_the_engines_build_it(run, assert_served):
+    out, summary = run
+    cfg = json.loads((out / "model" / "config.json").read_text())
+    assert cfg["model_type"] == "nemotron_h_puzzle" and summary["outputs"]["model"]["form"].startswith("published")
+    assert_served(ir.load(out / "model"), cfg)
+    assert summary["reports"]["puzzle"][-1]["engine"] == "all"
 
 
 @pytest.mark.slow
@@ -116,6 +134,10 @@ def test_the_report_is_complete_and_holds_the_runs_numbers(run):
     assert len(rows) == len(json.loads((out / "plan.json").read_text())["frontier"]) >= 5
     layers = [ln for ln in md.splitlines() if re.match(r"\| \d+ \| (mamba2|moe|attention|mlp) ", ln)]
     assert len(layers) == len(child.blocks())
+    quality = json.loads((out / "work" / "quality.done").read_text())
+    assert quality["set"] == "report" and 0 < quality["child"]["kl"] and quality["parent"]["kl"] == pytest.approx(0)
+    assert f"| child | {quality['child']['kl']:.4g} | {quality['child']['top1_agreement']:.4g} |" in md
+    assert "Profile all (loadable by vLLM, SGLang, TensorRT-LLM" in md and "without any engine's rules" in md
 
 
 @pytest.mark.slow

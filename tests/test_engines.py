@@ -1,7 +1,7 @@
 """Engine profiles: what the search chooses under a profile is what the serving engines load.
 
 Oracle: transformers' NemotronHBlock built for every layer from the child's saved config the way vLLM builds a
-layer's config (conftest's `served_layers`) must hold exactly the child's parameter shapes."""
+layer's config must hold exactly the child's parameter shapes (conftest's `assert_served`)."""
 from __future__ import annotations
 
 import pytest
@@ -26,40 +26,12 @@ def meta_lib(tmp_path_factory):
     return parent, build_library(parent, tmp_path_factory.mktemp("lib") / "lib")
 
 
-def _shapes(op) -> dict:
-    """A block's parameter shapes under transformers' names (routed experts stacked)."""
-    out, experts = {}, {}
-    for name, shape in op.params().items():
-        parts = name.split(".")
-        if parts[:2] == ["mixer", "experts"]:
-            experts.setdefault(f"mixer.experts.{parts[3]}", []).append(tuple(shape))
-        else:
-            out[name] = tuple(shape)
-    return out | {k: (len(v), *v[0]) for k, v in experts.items()}
-
-
-def _layers(prog) -> dict:
-    mtp = prog.find("mtp")
-    return {f"backbone.layers.{i}.": n.op for i, n in enumerate(prog.blocks())} | \
-        {f"mtp.layers.{i}.": b for i, b in enumerate(mtp[0].op.blocks if mtp else ())}
-
-
-def assert_served(prog, served_layers) -> None:
-    """Every layer of `prog`, as an engine builds it from the saved config, has the program's shapes."""
-    ours = _layers(prog)
-    built = served_layers(config_of(prog))
-    assert len(built) == len(ours)
-    for prefix, _, blk in built:
-        theirs = {k: tuple(p.shape) for k, p in blk.state_dict().items()}
-        assert theirs == _shapes(ours[prefix]), prefix
-
-
 def _search(lib, parent, engine, speedup=1.5):
     return Search(lib, parent, TARGET, constraints=Constraints(speedup=speedup), engine=engine)
 
 
 @pytest.mark.parametrize("method", ["mip", "greedy", "uniform"])
-def test_the_default_profile_gives_a_child_every_engine_loads(meta_lib, method, served_layers):
+def test_the_default_profile_gives_a_child_every_engine_loads(meta_lib, method, assert_served):
     parent, lib = meta_lib
     search = _search(lib, parent, "all")
     plan = search.plan(method)
@@ -68,7 +40,7 @@ def test_the_default_profile_gives_a_child_every_engine_loads(meta_lib, method, 
     assert {n.op.kind for n in child.blocks()} <= {"mamba2", "moe", "attention", "mlp"}
     for kind, attrs in (MAMBA, ATTENTION, MLP):
         assert len({tuple(getattr(n.op, a) for a in attrs) for n in child.blocks(kind)}) == 1, kind
-    assert_served(child, served_layers)
+    assert_served(child, config_of(child))
 
 
 def test_lifting_the_rules_finds_a_better_child_the_engines_cannot_load(meta_lib):

@@ -26,14 +26,16 @@ from pathlib import Path
 
 from ..errors import PuzzlekitError, UsageError
 from ..outputs import write_json, write_text
-from .puzzle import add_constraint_arguments, constraints_of
+from .puzzle import EXTENDED_HELP, add_constraint_arguments, constraints_of
 
 QUICK = {"library": "calib_windows=8,score_windows=2,seq=64,bld_tokens=4096",
          "distill": "batch=4,seq=64,lr=1e-3,eval_every=10,eval_windows=2,checkpoint_every=5",
-         "mtp": "prompts=2,new_tokens=16", "steps": 20, "head_steps": 10}
+         "mtp": "prompts=2,new_tokens=16", "steps": 20, "head_steps": 10, "report": (4, 2, 16)}
 FULL = {"library": "calib_windows=64,score_windows=16,seq=256,bld_tokens=65536",
         "distill": "batch=8,seq=128,lr=1e-3,eval_every=50,eval_windows=8,checkpoint_every=25",
-        "mtp": "prompts=8,new_tokens=32", "steps": 300, "head_steps": 100}
+        "mtp": "prompts=8,new_tokens=32", "steps": 300, "head_steps": 100, "report": (16, 8, 32)}
+#: the report set's windows (tokens), and the MTP prompts' length, for `quality`
+REPORT_SEQ, PROMPT_LEN = 256, 64
 #: the constraints in the order a budget sweep picks the one to scale
 SWEPT = ("speedup", "decode_ms", "prefill_s", "max_params", "max_active", "concurrency")
 
@@ -56,6 +58,7 @@ def pipeline_text(template: str, args, out: Path, library: Path) -> str:
     c = constraints_of(args)
     constraints = [f"{k}={getattr(c, k)}" for k in SWEPT + ("context",) if getattr(c, k)]
     constraints += [f"keep=[{','.join(c.keep)}]"] if c.keep else []
+    constraints += [f"engine={args.engine}"]
     recipe = deploy_recipe(args.target)
     values = {"library": library, "library_budget": budget["library"] + (f",grid={args.grid}" if args.grid else ""),
               "rounds": rounds, "target": args.target, "scenario": args.scenario, "constraints": ",".join(constraints),
@@ -128,6 +131,9 @@ def compress(args, progress: bool = True) -> dict:
     from .cli import compute_of
 
     compute_of(args)  # before any work: a device this machine lacks is a usage error
+    if args.engine == "none" and not args.extended:
+        raise UsageError("--engine none lets the search choose what no serving engine loads (noop or linear blocks, "
+                         "Mamba layers that differ); add --extended to accept puzzlekit's extended form for such a child")
     out = Path(args.output)
     src = model_path(args.model).resolve()
     if out.resolve() == src or src in out.resolve().parents or out.resolve() in src.parents:
@@ -200,20 +206,46 @@ def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
         try:
             ir.save(prog, out / "model", overwrite=True)
             form = "published nemotron_h_puzzle"
-        except Unpublishable as e:  # noop / linear layers: no serving engine's schema holds them
+        except Unpublishable as e:  # only with --engine none: noop / linear layers, Mamba layers that differ
+            if not args.extended:
+                raise
             ir.save(prog, out / "model", overwrite=True, extended=True)
             form = f"puzzlekit extended form ({str(e).split(';')[0].removeprefix('save: ')})"
         _mark(out, "model", {"form": form})
     done["model"] = json.loads((out / "work" / "model.done").read_text())
+    if not _done(out, "quality"):
+        _mark(out, "quality", quality(parent, prog, args))
+    done["quality"] = json.loads((out / "work" / "quality.done").read_text())
     if not _done(out, "plan"):
         plan = {"plan": prog.meta.get("plan"), "frontier": frontier(parent, args, library),
-                "deployment": deployment(parent, prog, args)}
+                "engine": engine_cost(parent, args, library), "deployment": deployment(parent, prog, args)}
         write_json(out / "plan.json", plan)
         _mark(out, "plan", {})
     if not _done(out, "bundle"):
         _mark(out, "bundle", bundle(prog, args, out / "bundle"))
     done["bundle"] = json.loads((out / "work" / "bundle.done").read_text())
     return done
+
+
+def quality(parent, child, args) -> dict:
+    """Parent and delivered child on the report set (data.HELD_OUT: text no stage of the run chose anything
+    on): KL and top-1 agreement to the parent, bits per byte, MTP acceptance length; and which windows."""
+    from ..backends.torch.stream import StreamedProgram
+    from ..data import held_out_windows, load_corpus
+    from ..evaluate import acceptance_length, bits_per_byte, teacher_agreement
+    from .cli import compute_of
+
+    n, prompts, new_tokens = (QUICK if args.quick else FULL)["report"]
+    corpus = load_corpus(None)
+    windows = held_out_windows(corpus, "report", REPORT_SEQ + 1, limit=n)
+    starts = held_out_windows(corpus, "report", PROMPT_LEN, limit=prompts)
+    compute = compute_of(args)
+    models = {name: StreamedProgram(prog, compute) for name, prog in (("parent", parent), ("child", child))}
+    out = {"set": "report", "windows": [n, REPORT_SEQ + 1], "prompts": [prompts, PROMPT_LEN, new_tokens]}
+    for name, m in models.items():
+        out[name] = {**teacher_agreement(models["parent"], m, windows), "bits_per_byte": bits_per_byte(m, windows),
+                     "mtp_acceptance": acceptance_length(m, starts, 3, new_tokens) if m.program.find("mtp") else None}
+    return out
 
 
 def _scaled(args, factor: float):
@@ -226,7 +258,8 @@ def _scaled(args, factor: float):
 
 def frontier(parent, args, library: Path) -> list[dict]:
     """Summed replacement score against the predicted figure of the swept constraint (relative to the
-    parent), for the MIP and the uniform and greedy baselines at budgets around the target."""
+    parent), for the MIP and the uniform and greedy baselines at budgets around the target, under the run's
+    engine profile."""
     from ..passes.puzzle import Library
     from ..passes.puzzle.search import PlanError, Search
 
@@ -234,7 +267,8 @@ def frontier(parent, args, library: Path) -> list[dict]:
     points = []
     for factor in (0.75, 0.9, 1.0, 1.15, 1.3):
         key, c = _scaled(args, factor)
-        search = Search(lib, parent, [(args.target, args.scenario)], deploy_recipe(args.target), "kl", c)
+        search = Search(lib, parent, [(args.target, args.scenario)], deploy_recipe(args.target), "kl", c,
+                        engine=args.engine)
         for method in ("mip", "uniform", "greedy"):
             try:
                 plan = search.plan(method)
@@ -243,6 +277,24 @@ def frontier(parent, args, library: Path) -> list[dict]:
             points.append({"method": method, "budget": factor, "constraint": key, "score": plan.objective,
                            "relative": _relative(search, plan, key), "params": plan.params_total})
     return points
+
+
+def engine_cost(parent, args, library: Path) -> dict:
+    """What the engine profile cost: the MIP's summed score at the target under the profile and without any
+    engine's rules (the parent's library scores: a one-step search's view)."""
+    from ..passes.puzzle import Library
+    from ..passes.puzzle.engines import get_engine
+    from ..passes.puzzle.search import PlanError, Search
+
+    lib, c = Library.open(library, parent), constraints_of(args)
+    out = {"profile": args.engine, "rules": get_engine(args.engine).describe()}
+    for name, engine in (("score", args.engine), ("unconstrained_score", "none")):
+        try:
+            out[name] = Search(lib, parent, [(args.target, args.scenario)], deploy_recipe(args.target), "kl", c,
+                               engine=engine).plan().objective
+        except PlanError:
+            out[name] = None
+    return out
 
 
 def _relative(search, plan, key: str) -> float:
@@ -256,42 +308,38 @@ def _relative(search, plan, key: str) -> float:
 
 
 def deployment(parent, child, args) -> dict:
-    """Predicted figures of parent and child on the target; on the cpu target also measured ones (decode
-    throughput at each one's largest batch meeting the scenario)."""
+    """Predicted figures of parent and child on the target; on the cpu target also decode throughput measured
+    and predicted like for like at each one's largest batch meeting the scenario (`decode_figures`)."""
     from ..backends.cost import best_layout, get_scenario
 
-    recipe = deploy_recipe(args.target) or None
+    scenario = get_scenario(args.scenario, recipe=deploy_recipe(args.target) or None)
     out = {}
     for name, prog in (("parent", parent), ("child", child)):
-        r = best_layout(prog, args.target, get_scenario(args.scenario, recipe=recipe))[1]
+        r = best_layout(prog, args.target, scenario)[1]
         out[name] = {"predicted": {"weight_gb": r.weight_bytes / 1e9, "layout": r.layout, "max_batch": r.max_batch,
                                    "max_concurrency": r.max_concurrency,
                                    "decode_step_ms": r.decode_step_seconds * 1e3,
                                    "tokens_per_second": r.throughput_tokens_per_second}}
         if args.target == "cpu" and r.max_batch:
-            out[name]["measured"] = {"tokens_per_second": measured_throughput(prog, r.max_batch)}
+            out[name]["decode"] = decode_figures(prog, args.target, scenario, r.max_batch)
     return out
 
 
-def measured_throughput(prog, batch: int, context: int = 256) -> float:
-    """Decode tokens per second at `batch` after a `context`-token prefill (median of 15 steps)."""
-    import statistics
+def decode_figures(prog, target: str, scenario, batch: int, context: int | None = None) -> dict:
+    """Decode tokens/s at `batch` and `context` (default: the scenario's mean decode context), measured here
+    (`evaluate.decode_throughput`: one step after a prefill to that context) and predicted by the cost model
+    for that same step, without speculative drafting: one quantity on both sides."""
+    import dataclasses
 
-    import torch
-
+    from ..backends.cost import CostModel
     from ..backends.torch import materialize
+    from ..evaluate import decode_throughput
 
-    model = materialize(prog)
-    ids = torch.randint(0, 256, (batch, context), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        _, state = model.prefill(ids)
-        times = []
-        for i in range(18):
-            t = time.perf_counter()
-            model.decode(ids[:, -1], state)
-            if i >= 3:
-                times.append(time.perf_counter() - t)
-    return batch / statistics.median(times)
+    plain = dataclasses.replace(scenario, mtp_draft=0, mtp_acceptance=0.0)
+    context = context or plain.decode_context
+    step = CostModel(prog, target, plain).decode_step_seconds(batch, context)
+    return {"batch": batch, "context": context, "predicted": batch / step,
+            "measured": decode_throughput(materialize(prog), batch, context)}
 
 
 def bundle(prog, args, out: Path) -> dict:
@@ -321,8 +369,10 @@ def run_compress(args) -> int:
              f"{s['passes']} passes in {s['seconds']['pipeline']:.0f} s",
              f"params {plan['params']:,} (the parent's: {s['parent_params']:,})",
              f"child: {Path(args.output) / 'model'} ({s['outputs']['model']['form']})",
-             *(f"{k}: predicted {v['predicted']['tokens_per_second']:,.0f} tokens/s"
-               + (f", measured {v['measured']['tokens_per_second']:,.0f}" if "measured" in v else "")
+             *(f"{k}: predicted {v['predicted']['tokens_per_second']:,.0f} tokens/s serving"
+               + (f"; decode at batch {v['decode']['batch']}, context {v['decode']['context']:,}: predicted "
+                  f"{v['decode']['predicted']:,.0f}, measured {v['decode']['measured']:,.0f} tokens/s"
+                  if "decode" in v else "")
                for k, v in dep.items()),
              _bundle_line(s["outputs"]["bundle"]),
              f"report: {s['report']}/report.md"]
@@ -356,6 +406,7 @@ def add_parsers(sub, model_help: str, positive_int, positive_float) -> tuple:
     c.add_argument("--target", default="cpu", help="h100, b200, 8xb200, ..., cpu")
     c.add_argument("--scenario", default="chat", help="long-1m, decode-heavy, prefill-heavy, chat")
     add_constraint_arguments(c, positive_int, positive_float)
+    c.add_argument("--extended", action="store_true", help=EXTENDED_HELP)
     add_workload_arguments(c, mtp=False)
     c.add_argument("--cost-table", metavar="FILE", help="the cpu target's op timings from an earlier run "
                                                         "(OUT/cost-table.json), so that it gives the same child")

@@ -162,6 +162,9 @@ def write_report(out) -> Path:
         if len(checks) > 1:
             mtp["after head-only recovery"] = checks[-1]["acceptance"]
     dep = plan["deployment"]
+    quality = json.loads((out / "work" / "quality.done").read_text())
+    engine = plan["engine"]
+    unconstrained = engine["unconstrained_score"]
     with staged_dir(out / "report", overwrite=True) as d:
         architecture_plot(prows, crows, d / "architecture.png")
         frontier_plot(plan["frontier"], d / "frontier.png")
@@ -173,24 +176,44 @@ def write_report(out) -> Path:
               _table(["layer", "parent", "child"], [(p["layer"], _describe(p), _describe(c)) for p, c in zip(prows, crows)]),
               f"\nParameters: {parent.param_counts()['total']:,} -> {child.param_counts()['total']:,} "
               f"(active {parent.param_counts()['active']:,} -> {child.param_counts()['active']:,}).\n",
+              "## Quality on the report set\n",
+              f"Measured on {quality['windows'][0]} windows of {quality['windows'][1]} bytes and "
+              f"{quality['prompts'][0]} MTP prompts from the held-out `report` set, which no stage of the run "
+              "(library scores, search, distillation's kept weights) chose anything on.\n",
+              _table(["", "KL to the parent", "top-1 agreement", "bits/byte", "MTP acceptance"],
+                     [(name, _fmt(quality[name]["kl"]), _fmt(quality[name]["top1_agreement"]),
+                       _fmt(quality[name]["bits_per_byte"]), _fmt(quality[name]["mtp_acceptance"]))
+                      for name in ("parent", "child")]),
+              "\n## The serving engine\n",
+              f"Profile {engine['rules']}.\n",
+              f"Summed library score at the target under it: {_fmt(engine['score'])}; without any engine's rules: "
+              f"{_fmt(unconstrained) if unconstrained is not None else 'infeasible'}"
+              + (f" ({_fmt(engine['score'] / unconstrained)}x: what being servable costs in the search's terms)"
+                 if unconstrained and engine["score"] is not None else "") + ".\n",
               "## The search\n", "![frontier](frontier.png)\n",
               _table(["method", "budget", "constraint", "summed score", "predicted / parent", "params"],
                      [(p["method"], p["budget"], p["constraint"], _fmt(p["score"]), _fmt(p["relative"]),
                        f"{p['params']:,}") for p in plan["frontier"]]),
               "\n## Distillation\n", "![distillation](distillation.png)\n",
+              "Distillation's own evaluations, on the held-out `selection` set (they chose the kept weights).\n",
               _table(["run", "steps", "KL before", "KL after", "top-1 before", "top-1 after", "bits/byte after"],
                      [(i + 1, r["steps"], _fmt(r["before"]["kl"]), _fmt(r["after"]["kl"]),
                        _fmt(r["before"]["top1_agreement"]), _fmt(r["after"]["top1_agreement"]),
                        _fmt(r["after"]["bits_per_byte"])) for i, r in enumerate(distills)]),
               "\n## MTP acceptance length\n", "![mtp](mtp.png)\n",
+              "`mtp-check` in the pipeline (before quantisation), on prompts from the `report` set.\n",
               _table(["", "tokens per step"], [(k, _fmt(v)) for k, v in mtp.items()]),
               "\n## Deployment\n",
-              _table(["", "weights GB", "max batch", "max concurrency", "decode step ms", "tokens/s predicted",
-                      "tokens/s measured"],
+              _table(["", "weights GB", "max batch", "max concurrency", "decode step ms", "serving tokens/s predicted"],
                      [(name, _fmt(v["predicted"]["weight_gb"]), v["predicted"]["max_batch"],
                        v["predicted"]["max_concurrency"], _fmt(v["predicted"]["decode_step_ms"]),
-                       _fmt(v["predicted"]["tokens_per_second"]),
-                       _fmt(v["measured"]["tokens_per_second"]) if "measured" in v else "on the GPU machine")
-                      for name, v in dep.items()])]
+                       _fmt(v["predicted"]["tokens_per_second"])) for name, v in dep.items()]),
+              *([("\nDecode alone, like for like: one decode step at each model's batch and the scenario's mean "
+                  "context, measured on this machine and predicted by the cost model for that same step.\n"),
+                 _table(["", "batch", "context", "decode tokens/s predicted", "measured", "measured / predicted"],
+                        [(name, v["decode"]["batch"], v["decode"]["context"], _fmt(v["decode"]["predicted"]),
+                          _fmt(v["decode"]["measured"]), _fmt(v["decode"]["measured"] / v["decode"]["predicted"]))
+                         for name, v in dep.items() if "decode" in v])] if any("decode" in v for v in dep.values())
+                else ["\nMeasured figures come from the GPU machine (the bundle's validate.py).\n"])]
         (d / "report.md").write_text("\n".join(md))
     return out / "report"
