@@ -77,6 +77,7 @@ class Puzzle(ComputePass):
     max_active: float = 0.0
     keep: list[str] = field(default_factory=list)
     uniform: list[str] = field(default_factory=list)
+    engine: str = "all"  # the serving engines' rules the child meets (engines.py); none lifts them
     metric: str = "kl"
     method: str = "mip"
     parent: str = ""
@@ -95,28 +96,31 @@ class Puzzle(ComputePass):
         i, n = am.round
         c = Constraints(self.speedup, self.decode_ms, self.prefill_s, self.concurrency, self.context,
                         self.max_params, self.max_active, tuple(self.keep), tuple(self.uniform))
-        scores = ranks = None
-        if later:  # the options and their scores come from the current model
-            from ...data import load_corpus, sequential_windows
+        scores = made = None
+        if later:  # the options (shrinks trained with BLD) and their scores come from the current model
+            from ...data import held_out_windows, load_corpus, sequential_windows
 
             st = lib.manifest["settings"]
             corpus = load_corpus(st["data"] or None)
             compute = self.compute(am)
             ranks = am.get("importance", samples=st["calib_windows"], seq=st["seq"], data=tuple(st["data"]),
                            device=str(compute.device))["layers"]
-            windows = sequential_windows(corpus.valid, st["seq"] + 1, limit=st["score_windows"])
-            scores = rescore(lib, prog, ranks, windows, compute)
+            calib = sequential_windows(corpus.train, st["seq"], limit=st["calib_windows"])
+            windows = held_out_windows(corpus, "scoring", st["seq"] + 1, limit=st["score_windows"])
+            scores, made = rescore(lib, prog, ranks, windows, calib, compute)
         search = Search(lib, parent, [(t, self.scenario) for t in self.target], self.recipe, self.metric, c,
-                        scores=scores, fraction=i / n, schedule=self.schedule)
+                        scores=scores, fraction=i / n, schedule=self.schedule, engine=self.engine)
         plan = search.plan(self.method)
         if later:
-            realise_from(prog, lib, search.rows_of(plan), ranks)
+            realise_from(prog, lib, search.rows_of(plan), made)
         else:
             realise(prog, lib, search.rows_of(plan), weights=not lib.weightless)
         prog.meta["plan"] = plan.to_json()
         am.reports.setdefault("puzzle", []).append({"round": [i, n], "predicted": plan.predicted, "limits": plan.limits,
                                                     "parent": plan.parent, "objective": plan.objective,
                                                     "params": plan.params_total, "rescored": bool(later),
+                                                    "engine": self.engine,
+                                                    "bld": made.report if later else None,
                                                     "batch": plan.batch, "layout": plan.layout,
                                                     "parent_batch": search.base[0].max_batch if search.base else 1,
                                                     "throughput_ratio": search.throughput_ratio(plan)})
