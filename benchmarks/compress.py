@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", default="2,3")
     ap.add_argument("--lrs", default="3e-4,1e-3,3e-3")
+    ap.add_argument("--lr", type=float, help="use this learning rate (an earlier sweep's choice) instead of sweeping")
+    ap.add_argument("--parts", default="budgets,iterative,decode", help="which of budgets, iterative, decode to run")
     ap.add_argument("--head-steps", type=int, default=100)
     ap.add_argument("--results", default="compress-results.json")
     args = ap.parse_args()
@@ -119,9 +121,12 @@ def main() -> None:
         rep = run(pruned["mip"].copy(), f"distill{{steps={mid},{kd(mid, lr, 0)}}}").reports["distill"][-1]
         return {"selection_kl": (rep["best"] or rep["after"])["kl"]}
 
-    by_lr = {lr: cell(f"lr/{lr:g}", lambda: sweep(lr))["selection_kl"] for lr in lrs}
-    lr = min(by_lr, key=by_lr.get)
-    print(f"learning rate {lr:g}: least selection-set KL after {mid} steps ({by_lr})")
+    lr = args.lr
+    if lr is None:
+        by_lr = {lr: cell(f"lr/{lr:g}", lambda: sweep(lr))["selection_kl"] for lr in lrs}
+        lr = min(by_lr, key=by_lr.get)
+        print(f"learning rate {lr:g}: least selection-set KL after {mid} steps ({by_lr})")
+    parts = args.parts.split(",")
 
     # 2. recovery against budget
     def distilled(m, steps, seed):
@@ -130,7 +135,7 @@ def main() -> None:
         run(prog, f"distill{{steps={steps},{kd(steps, lr, seed)}}},{head}")
         return report_figures(materialize(prog), teacher, windows, prompts)
 
-    for steps in budgets:
+    for steps in budgets if "budgets" in parts else ():
         for seed in seeds:
             for m in pruned:
                 cell(f"{m}/{steps}/{seed}", lambda: distilled(m, steps, seed))
@@ -147,14 +152,14 @@ def main() -> None:
                 "params": prog.param_counts()["total"], "predicted_ratio": am.reports["puzzle"][-1]["throughput_ratio"],
                 "bld": [r.get("bld") for r in am.reports["puzzle"]]}
 
-    for n in rounds:
+    for n in rounds if "iterative" in parts else ():
         for seed in seeds:
             cell(f"iterative{n}/{top}/{seed}", lambda: iterative(n, seed))
 
     # 4. throughput: decode at batch 8 after 256 tokens, measured here and predicted by the cpu cost model
     chat = get_scenario("chat")
     speed = {m: cell(f"{m}/decode", lambda: decode_figures(p, "cpu", chat, 8, 256))
-             for m, p in {"parent": parent, **pruned}.items()}
+             for m, p in ({"parent": parent, **pruned} if "decode" in parts else {}).items()}
     print_tables(results, budgets, seeds, rounds, lr, top, speed)
 
 
@@ -200,7 +205,7 @@ def print_tables(results, budgets, seeds, rounds, lr, top, speed) -> None:
     print(format_table(rows), end="")
     print("\nDecode at batch 8 after 256 tokens, tokens/s: measured here, and the cpu cost model's prediction of the "
           "same step")
-    base = speed["parent"]
+    base = speed.get("parent")
     for name, s in speed.items():
         print(f"  {name}: measured {s['measured']:,.0f} ({s['measured'] / base['measured']:.2f}x), predicted "
               f"{s['predicted']:,.0f} ({s['predicted'] / base['predicted']:.2f}x)")

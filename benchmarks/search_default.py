@@ -12,7 +12,7 @@ from pathlib import Path
 
 from puzzlekit import evaluate
 from puzzlekit.backends.torch import materialize
-from puzzlekit.data import load_corpus, sequential_windows
+from puzzlekit.data import held_out_windows, load_corpus
 from puzzlekit.ir.printer import format_table
 from puzzlekit.passes.puzzle import Library, build_library
 from puzzlekit.passes.puzzle.search import Constraints, PlanError, Search
@@ -30,7 +30,7 @@ def main() -> None:
     lib = Library.open(args.library, parent) if args.library else \
         build_library(parent, Path(tempfile.mkdtemp()) / "library", progress=True)
     search = Search(lib, parent, [(args.target, args.scenario)], constraints=Constraints(speedup=args.speedup))
-    held = sequential_windows(load_corpus(None).valid, 257, limit=16)
+    held = held_out_windows(load_corpus(None), "report", 257, limit=16)  # not the scores' windows
     teacher = materialize(parent)
     rows = [("method", "summed score", "KL", "top-1", "params", "serving step / budget", "batch", "solve s")]
     for method in ("mip", "uniform", "greedy"):

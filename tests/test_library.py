@@ -14,7 +14,7 @@ import torch
 
 from puzzlekit import ir
 from puzzlekit.backends.torch import materialize
-from puzzlekit.data import load_corpus, sequential_windows
+from puzzlekit.data import held_out_windows, load_corpus, sequential_windows
 from puzzlekit.passes.puzzle import GridError, Library, LibraryError, LibrarySettings, build_library, load_grid
 from puzzlekit.backends.torch.stream import StreamedProgram
 from puzzlekit.passes.puzzle.bld import block_module, linear_fit, nmse
@@ -269,7 +269,7 @@ def _mip_against_baselines(lib, parent):
     from puzzlekit.passes.puzzle.search import Constraints, PlanError, Search
 
     search = Search(lib, parent, [("cpu", "chat")], constraints=Constraints(speedup=2.0))
-    held = sequential_windows(load_corpus(None).valid, 129, limit=8)
+    held = held_out_windows(load_corpus(None), "report", 129, limit=8)  # not the scores' windows
     teacher = materialize(parent)
     kl, score = {}, {}
     for method in ("mip", "uniform", "greedy"):
