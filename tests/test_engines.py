@@ -76,6 +76,7 @@ def test_kernel_shape_rules_refuse_by_recipe():
     many = MoE(hidden=64, experts=512, top_k=22, d_ff=64, shared_d_ff=64)
     assert "top-k" in engine.refusal(many.replace(experts=384, top_k=11), many)
     assert engine.refusal(many.replace(experts=384, top_k=8), many) == ""
+    assert "top-k" in engine.refusal(many.replace(experts=384), many)  # fewer experts, the parent's top-22
     assert get_engine("vllm").refusal(many.replace(experts=384, top_k=11), many) == ""
     assert get_engine("none").refusal(moe.replace(latent=768, d_ff=40), moe, "nvfp4") == ""
 

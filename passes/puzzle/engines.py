@@ -23,7 +23,8 @@ from ...ir.nemotron_h_puzzle import MTP_KINDS
 from ...ir.quant.formats import NVFP4_BLOCK
 from ..core import PassError
 
-#: a rule on one layer's choice: (spec, the parent layer's spec, the recipes priced) -> why it is refused, or ""
+#: a rule on one layer's choice: (spec, the parent layer's spec, the recipes priced) -> why it is refused, or "";
+#: its docstring is the rule as the report states it
 Rule = Callable[[object, object, str], str]
 
 
@@ -43,7 +44,8 @@ def _nvfp4_width(spec, parent, recipes: str) -> str:
 
 def _routing_top_k(spec, parent, recipes: str) -> str:
     """top-k <= 8 below 385 experts"""
-    if spec.kind == "moe" and spec.experts <= 384 and spec.top_k > 8 and spec.top_k != parent.top_k:
+    if spec.kind == "moe" and spec.experts <= 384 and spec.top_k > 8 and \
+            (spec.experts, spec.top_k) != (parent.experts, parent.top_k):
         return f"top-k {spec.top_k} of {spec.experts} experts (TensorRT-LLM's routing takes top-k <= 8 below 385)"
     return ""
 
