@@ -217,8 +217,9 @@ def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
         _mark(out, "quality", quality(parent, prog, args))
     done["quality"] = json.loads((out / "work" / "quality.done").read_text())
     if not _done(out, "plan"):
-        plan = {"plan": prog.meta.get("plan"), "frontier": frontier(parent, args, library),
-                "engine": engine_cost(parent, args, library), "deployment": deployment(parent, prog, args)}
+        points = frontier(parent, args, library)
+        plan = {"plan": prog.meta.get("plan"), "frontier": points, "engine": engine_cost(parent, args, library, points),
+                "deployment": deployment(parent, prog, args)}
         write_json(out / "plan.json", plan)
         _mark(out, "plan", {})
     if not _done(out, "bundle"):
@@ -242,8 +243,10 @@ def quality(parent, child, args) -> dict:
     compute = compute_of(args)
     models = {name: StreamedProgram(prog, compute) for name, prog in (("parent", parent), ("child", child))}
     out = {"set": "report", "windows": [n, REPORT_SEQ + 1], "prompts": [prompts, PROMPT_LEN, new_tokens]}
-    for name, m in models.items():
-        out[name] = {**teacher_agreement(models["parent"], m, windows), "bits_per_byte": bits_per_byte(m, windows),
+    for name, m in models.items():  # the parent against itself agrees exactly: not run twice more to say so
+        agreement = teacher_agreement(models["parent"], m, windows) if name == "child" else \
+            {"kl": 0.0, "top1_agreement": 1.0}
+        out[name] = {**agreement, "bits_per_byte": bits_per_byte(m, windows),
                      "mtp_acceptance": acceptance_length(m, starts, 3, new_tokens) if m.program.find("mtp") else None}
     return out
 
@@ -279,22 +282,22 @@ def frontier(parent, args, library: Path) -> list[dict]:
     return points
 
 
-def engine_cost(parent, args, library: Path) -> dict:
-    """What the engine profile cost: the MIP's summed score at the target under the profile and without any
-    engine's rules (the parent's library scores: a one-step search's view)."""
+def engine_cost(parent, args, library: Path, points: list[dict]) -> dict:
+    """What the engine profile cost: the MIP's summed score at the target under the profile (the frontier's
+    point at the target, `points`) and without any engine's rules (the parent's library scores: a one-step
+    search's view)."""
     from ..passes.puzzle import Library
     from ..passes.puzzle.engines import get_engine
     from ..passes.puzzle.search import PlanError, Search
 
-    lib, c = Library.open(library, parent), constraints_of(args)
-    out = {"profile": args.engine, "rules": get_engine(args.engine).describe()}
-    for name, engine in (("score", args.engine), ("unconstrained_score", "none")):
-        try:
-            out[name] = Search(lib, parent, [(args.target, args.scenario)], deploy_recipe(args.target), "kl", c,
-                               engine=engine).plan().objective
-        except PlanError:
-            out[name] = None
-    return out
+    served = next((p["score"] for p in points if p["method"] == "mip" and p["budget"] == 1.0), None)
+    try:
+        free = Search(Library.open(library, parent), parent, [(args.target, args.scenario)], deploy_recipe(args.target),
+                      "kl", constraints_of(args), engine="none").plan().objective
+    except PlanError:
+        free = None
+    return {"profile": args.engine, "rules": get_engine(args.engine).describe(), "score": served,
+            "unconstrained_score": free}
 
 
 def _relative(search, plan, key: str) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import field
 
 from ..core import ComputePass, PassError, Preserved, register
-from .build import LibrarySettings, build_library
+from .build import LibrarySettings, build_library, library_windows
 from .grid import DEFAULT_GRID, GridError, Variant, load_grid, variants
 from .importance import compute_importance
 from .library import Library, LibraryError, parent_hash
@@ -98,15 +98,11 @@ class Puzzle(ComputePass):
                         self.max_params, self.max_active, tuple(self.keep), tuple(self.uniform))
         scores = made = None
         if later:  # the options (shrinks trained with BLD) and their scores come from the current model
-            from ...data import held_out_windows, load_corpus, sequential_windows
-
-            st = lib.manifest["settings"]
-            corpus = load_corpus(st["data"] or None)
+            st = LibrarySettings(**lib.manifest["settings"])
             compute = self.compute(am)
-            ranks = am.get("importance", samples=st["calib_windows"], seq=st["seq"], data=tuple(st["data"]),
+            ranks = am.get("importance", samples=st.calib_windows, seq=st.seq, data=tuple(st.data),
                            device=str(compute.device))["layers"]
-            calib = sequential_windows(corpus.train, st["seq"], limit=st["calib_windows"])
-            windows = held_out_windows(corpus, "scoring", st["seq"] + 1, limit=st["score_windows"])
+            calib, windows = library_windows(st)  # the library's own: calibration, and its scoring set
             scores, made = rescore(lib, prog, ranks, windows, calib, compute)
         search = Search(lib, parent, [(t, self.scenario) for t in self.target], self.recipe, self.metric, c,
                         scores=scores, fraction=i / n, schedule=self.schedule, engine=self.engine)

@@ -682,9 +682,11 @@ def greedy_choice(search: Search, pr: Priced) -> list[int] | None:
         for layer, members in enumerate(p.members):
             for i in members:
                 new = _moved(search, p, choice, layer, i) if i != choice[layer] else None
-                saved = pr.costs[k][choice].sum() - pr.costs[k][new].sum() if new is not None else 0.0
-                if saved > 0 and (score[new].sum() - score[choice].sum()) / saved < best:
-                    best, move = (score[new].sum() - score[choice].sum()) / saved, new
+                if new is None:
+                    continue
+                saved = pr.costs[k][choice].sum() - pr.costs[k][new].sum()
+                if saved > 0 and (added := (score[new].sum() - score[choice].sum()) / saved) < best:
+                    best, move = added, new
         if move is None:
             return None
         choice = move
