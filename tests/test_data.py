@@ -69,13 +69,13 @@ def test_few_documents_fallback_sets_are_disjoint(tmp_path):
 
 def test_each_use_draws_from_its_own_set(tmp_path):
     from puzzlekit.passes.distill import Distill, text_source
-    from puzzlekit.passes.puzzle.build import LibrarySettings, _windows
+    from puzzlekit.passes.puzzle.build import LibrarySettings, library_windows
 
     data = [str(tmp_path / "docs200")]
     corpus = _user(tmp_path, 200)
     distill_eval = text_source(Distill(seq=64, eval_windows=3, data=data)).held_out
     assert torch.equal(distill_eval, held_out_windows(corpus, "selection", 65, 3))
-    _, scored = _windows(LibrarySettings(seq=64, score_windows=3, calib_windows=1, data=data))
+    _, scored = library_windows(LibrarySettings(seq=64, score_windows=3, calib_windows=1, data=data))
     assert torch.equal(scored, held_out_windows(corpus, "scoring", 65, 3))
 
 
