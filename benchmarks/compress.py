@@ -8,7 +8,9 @@ on any machine), under the default engine profile (what vLLM, SGLang and TensorR
    then given head-only MTP recovery, per seed. Report-set KL to the parent, top-1 agreement, bits per byte and
    MTP acceptance length; the share of the pruned child's KL that distillation recovered.
 3. Iterative Puzzle: one step against 2 and 3 rounds (--rounds) at the same target and the same total steps
-   (the largest budget), per seed: mean and spread.
+   (--iterative-steps, default the largest budget), per seed: mean and spread. The rounds before the last
+   repair milder cuts and take their own learning rate (--early-lrs, chosen on the selection set); each
+   round's distillation is listed (selection-set KL pruned and best, and the best step).
 4. Throughput: the search's predicted h100 ratio, and decode tokens/s measured here against the cpu cost
    model's prediction for the same step (tools.compress.decode_figures).
 
@@ -17,6 +19,8 @@ Held-out text: the library scored on the `scoring` set, keep-best chose on the `
 --results (JSON) as it ends, so a rerun resumes.
 
 Run: python benchmarks/compress.py [--library DIR] [--budgets 75,300,1200] [--seeds 0,1,2] [--results FILE]
+(--methods and --seeds split the cells over processes, each with its own --results; a run given every
+results file merged runs no cell again and prints the tables.)
 Without --library the default library is built first (a few minutes on 2 cores).
 """
 from __future__ import annotations
@@ -57,7 +61,12 @@ def main() -> None:
     ap.add_argument("--budgets", default="75,300,1200", help="distillation steps (batch 8 x 128 tokens)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", default="2,3")
+    ap.add_argument("--methods", default=",".join(METHODS), help="which children's recovery curves to run")
+    ap.add_argument("--iterative-steps", type=int, help="total steps of the Iterative Puzzle comparison "
+                    "(default: the largest budget)")
     ap.add_argument("--lrs", default="3e-4,1e-3,3e-3")
+    ap.add_argument("--early-lrs", default="1e-4,3e-4,1e-3", help="learning rates for Iterative Puzzle's rounds "
+                    "before the last, chosen on the selection set")
     ap.add_argument("--lr", type=float, help="use this learning rate (an earlier sweep's choice) instead of sweeping")
     ap.add_argument("--parts", default="budgets,iterative,decode", help="which of budgets, iterative, decode to run")
     ap.add_argument("--head-steps", type=int, default=100)
@@ -137,20 +146,44 @@ def main() -> None:
 
     for steps in budgets if "budgets" in parts else ():
         for seed in seeds:
-            for m in pruned:
+            for m in [m for m in pruned if m in args.methods.split(",")]:
                 cell(f"{m}/{steps}/{seed}", lambda: distilled(m, steps, seed))
 
-    # 3. Iterative Puzzle at the largest budget
-    top = budgets[-1]
+    # 3. Iterative Puzzle at the same total steps. The rounds before the last repair a milder cut than one step
+    # does and take their own learning rate, chosen like the one-step's on the selection set: round 1 of 2
+    # distilled for its share of the steps at each --early-lrs.
+    top = args.iterative_steps or budgets[-1]
+
+    def rounds_of(n, seed, early_lr, last=None):
+        """Rounds 1..last of n (puzzle, then distill at early_lr before the last round, lr in it), with each
+        round's distillation on the selection set: pruned, best, at which step."""
+        prog, log = parent.copy(), []
+        am = AnalysisManager(prog)
+        am.snapshots["teacher"] = parent
+        for i in range(1, (last or n) + 1):
+            am.round = (i, n)
+            r_lr = lr if i == n else early_lr
+            PassManager(f"puzzle{{{search},parent=teacher}},distill{{steps={top // n},{kd(top // n, r_lr, seed)}}}"
+                        ).run(prog, am)
+            d = am.reports["distill"][-1]
+            log.append({"lr": r_lr, "selection_kl": [round(d["before"]["kl"], 5), round(d["best"]["kl"], 5)],
+                        "best_step": d["best"]["step"]})
+        return prog, am, log
+
+    early = None
+    if "iterative" in parts:
+        by_lr = {x: cell(f"early-lr/{x:g}", lambda: {"selection_kl": rounds_of(2, 0, x, last=1)[2][0]["selection_kl"][1]})
+                 ["selection_kl"] for x in [float(v) for v in args.early_lrs.split(",")]}
+        early = min(by_lr, key=by_lr.get)
+        print(f"rounds before the last at learning rate {early:g}: least selection-set KL of round 1 of 2 after "
+              f"{top // 2} steps ({by_lr})")
 
     def iterative(n, seed):
-        prog = parent.copy()
-        head = f"distill{{head_only=true,steps={args.head_steps},{kd(args.head_steps, lr, seed)}}}"
-        am = run(prog, f"repeat{{n={n}}}(puzzle{{{search},parent=teacher}},distill{{steps={top // n},"
-                       f"{kd(top // n, lr, seed)}}}),{head}")
+        prog, am, log = rounds_of(n, seed, early)
+        run(prog, f"distill{{head_only=true,steps={args.head_steps},{kd(args.head_steps, lr, seed)}}}")
         return {**report_figures(materialize(prog), teacher, windows, prompts),
                 "params": prog.param_counts()["total"], "predicted_ratio": am.reports["puzzle"][-1]["throughput_ratio"],
-                "bld": [r.get("bld") for r in am.reports["puzzle"]]}
+                "rounds": log, "bld": [r.get("bld") for r in am.reports["puzzle"]]}
 
     for n in rounds if "iterative" in parts else ():
         for seed in seeds:
@@ -168,7 +201,8 @@ def _stats(values) -> str:
 
 
 def print_tables(results, budgets, seeds, rounds, lr, top, speed) -> None:
-    parent = results["parent"]
+    """The recovery table with the goals at the largest budget; Iterative Puzzle at `top` steps in total."""
+    largest, parent = budgets[-1], results["parent"]
     methods = [m for m in METHODS if f"{m}/pruned" in results]
     rows = [("child", "steps", "KL (mean ± sd)", "top-1", "bits/byte", "MTP accept", "KL recovered")]
     for m in methods:
@@ -186,14 +220,14 @@ def print_tables(results, budgets, seeds, rounds, lr, top, speed) -> None:
     print(f"\nReport-set figures (parent: bits/byte {parent['bpb']:.4f}, MTP acceptance {parent['accept']:.3f}); "
           f"distillation at lr {lr:g} + head-only MTP recovery; {len(seeds)} seeds")
     print(format_table(rows), end="")
-    wins = {m: sum(results[f"mip/{top}/{s}"]["kl"] < results[f"{m}/{top}/{s}"]["kl"] for s in seeds
-                   if f"{m}/{top}/{s}" in results and f"mip/{top}/{s}" in results) for m in methods if m != "mip"}
-    mip = [results[f"mip/{top}/{s}"] for s in seeds if f"mip/{top}/{s}" in results]
+    pairs = {m: [(results[f"mip/{largest}/{s}"]["kl"], results[f"{m}/{largest}/{s}"]["kl"]) for s in seeds
+                 if f"{m}/{largest}/{s}" in results and f"mip/{largest}/{s}" in results] for m in methods if m != "mip"}
+    mip = [results[f"mip/{largest}/{s}"] for s in seeds if f"mip/{largest}/{s}" in results]
     if mip:
         rec = np.mean([1 - c["kl"] / results["mip/pruned"]["kl"] for c in mip])
-        print(f"goals at {top} steps: MIP recovers {rec:.0%} of its pruned KL (goal >= 50%); its MTP acceptance "
+        print(f"goals at {largest} steps: MIP recovers {rec:.0%} of its pruned KL (goal >= 50%); its MTP acceptance "
               f"{np.mean([c['accept'] for c in mip]):.3f} against the parent's {parent['accept']:.3f} (goal >=); "
-              + "; ".join(f"MIP beats {m} in {w} of {len(seeds)} seeds" for m, w in wins.items()))
+              + "; ".join(f"MIP beats {m} in {sum(a < b for a, b in p)} of {len(p)} seeds" for m, p in pairs.items()))
     rows = [("strategy", "KL (mean ± sd)", "top-1", "MTP accept", "params", "predicted h100 ratio")]
     for name, key in [("one step", "mip/{}/{}")] + [(f"{n} rounds", f"iterative{n}/{{}}/{{}}") for n in rounds]:
         cells = [results[key.format(top, s)] for s in seeds if key.format(top, s) in results]
@@ -203,6 +237,8 @@ def print_tables(results, budgets, seeds, rounds, lr, top, speed) -> None:
                          _stats([c["accept"] for c in cells]), f"{extra['params']:,}", f"{extra['predicted_ratio']:.2f}"))
     print(f"\nIterative Puzzle at {top} distillation steps in total")
     print(format_table(rows), end="")
+    if not speed:
+        return
     print("\nDecode at batch 8 after 256 tokens, tokens/s: measured here, and the cpu cost model's prediction of the "
           "same step")
     base = speed.get("parent")

@@ -50,8 +50,9 @@ def test_lifting_the_rules_finds_a_better_child_the_engines_cannot_load(meta_lib
     assert plan.objective < served.objective  # the rules cost score: the report shows how much
     with pytest.raises(Unpublishable, match="extended"):
         config_of(free.child(free.rows_of(plan)))
-    with pytest.raises(PassError, match="infeasible"):
+    with pytest.raises(PassError, match="infeasible") as e:
         _search(lib, parent, "all", 3.0).plan()  # reachable only with what no engine loads
+    assert "profile 'all'" in str(e.value) and "engine=none" in str(e.value)  # the way out is named
     _search(lib, parent, "none", 3.0).plan()
 
 
@@ -93,3 +94,16 @@ def test_a_parent_whose_mtp_head_no_engine_loads_is_refused_with_the_way_out(met
     get_engine("none").check_parent(odd)
     with pytest.raises(PassError, match="unknown engine 'trt'"):
         get_engine("trt")
+
+
+def test_the_command_line_offers_every_profile():
+    """The CLI writes the names out (it imports no pass at start-up): they must stay the profiles'."""
+    import argparse
+
+    from puzzlekit.passes.puzzle.engines import DEFAULT_ENGINE
+    from puzzlekit.tools.puzzle import add_constraint_arguments
+
+    p = argparse.ArgumentParser()
+    add_constraint_arguments(p, int, float)
+    engine = next(a for a in p._actions if a.dest == "engine")
+    assert set(engine.choices) == set(PROFILES) and engine.default == DEFAULT_ENGINE

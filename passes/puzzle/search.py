@@ -475,7 +475,7 @@ class Search:
                 e = self._solve("mip", pr, time_limit)
                 failed = (e, pr) if isinstance(e, Infeasible) else failed
             if failed and isinstance(failed[0], Infeasible):
-                raise PlanError(explain(*failed) + self._fitting(failed[0])) from None
+                raise PlanError(explain(*failed) + self._fitting(failed[0]) + self._lifting()) from None
             raise PlanError(f"the {method} baseline finds no architecture that meets the constraints" if near else
                             "no layout of the target holds the model's smallest variant and one request in memory")
         sols, pr = best
@@ -548,6 +548,13 @@ class Search:
         choice = np.array(choice)
         return [Solution(choice, float(self.score[choice].sum()), {k: float(v[choice].sum()) for k, v in pr.costs.items()},
                          method, 0.0, 0.0)]
+
+    def _lifting(self) -> str:
+        """Under an engine profile: that its rules are part of what could not be met, and what lifts them."""
+        if self.engine.name == "none":
+            return ""
+        return (f"\n  (under the engine profile {self.engine.name!r}, whose rules are part of the constraints: "
+                "engine=none lifts them (--engine none, and --extended on compress), for a child no serving engine loads)")
 
     def _fitting(self, e: Infeasible) -> str:
         """With a concurrency target out of reach in memory: how many requests do fit (found by solving)."""
