@@ -721,20 +721,24 @@ def _layout_for(target: Target, s: Scenario, layout) -> Layout:
 
 
 def best_layout(prog: Program, target: Target | str, scenario: Scenario, provider: Provider | None = None,
-                routing: dict | None = None) -> tuple[CostModel, CostReport]:
-    """The scenario's pinned layout, or every layout of its GPUs tried: the one with the highest throughput
-    meeting the rate floor (ties: the fewest devices per replica), its report listing every layout tried."""
+                routing: dict | None = None, fits=None) -> tuple[CostModel, CostReport]:
+    """The scenario's pinned layout, or every layout of its GPUs tried (those `fits(layout)` admits, when
+    given): the one with the highest throughput meeting the rate floor (ties: the fewest devices per replica),
+    its report listing every layout tried."""
     target = get_target(target) if isinstance(target, str) else target
     scenario = scenario.check()
-    if scenario.layout:
+    if scenario.layout and fits is None:
         cm = CostModel(prog, target, scenario, provider, routing)
         r = cm.report()
         r.layouts = [r.summary()]
         return cm, r
     tried = []
-    for layout in layouts(scenario.gpus or target.devices):
-        cm = CostModel(prog, target, scenario, provider, routing, layout)
-        tried.append((cm, cm.report()))
+    for layout in [Layout.parse(scenario.layout)] if scenario.layout else layouts(scenario.gpus or target.devices):
+        if fits is None or fits(layout):
+            cm = CostModel(prog, target, scenario, provider, routing, layout)
+            tried.append((cm, cm.report()))
+    if not tried:
+        raise PuzzlekitError(f"no layout of {target.name} admitted for {scenario.name}")
     cm, best = max(tried, key=lambda t: (t[1].throughput_tokens_per_second, t[1].max_concurrency,
                                          -t[0].layout.group))
     best.layouts = [r.summary() for _, r in tried]

@@ -4,15 +4,20 @@ Oracle: transformers' NemotronHBlock built for every layer from the child's save
 layer's config must hold exactly the child's parameter shapes (conftest's `assert_served`)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from puzzlekit import ir
 from puzzlekit.ir.checkpoint import config_of
 from puzzlekit.ir.nemotron_h_puzzle import Unpublishable
-from puzzlekit.ir.ops import MoE
+from puzzlekit.backends.cost import get_scenario
+from puzzlekit.backends.layout import Layout
+from puzzlekit.ir.ops import MLP as MLPOp
+from puzzlekit.ir.ops import Attention, Mamba2, MoE
 from puzzlekit.passes import PassError
 from puzzlekit.passes.puzzle import build_library
-from puzzlekit.passes.puzzle.engines import ATTENTION, MAMBA, MLP, PROFILES, get_engine
+from puzzlekit.passes.puzzle.engines import ATTENTION, MAMBA, MLP, PROFILES, get_engine, split_refusal
 from puzzlekit.passes.puzzle.search import Constraints, Search
 from puzzlekit.tools.default_model import DEFAULT_MODEL
 
@@ -107,3 +112,47 @@ def test_the_command_line_offers_every_profile():
     add_constraint_arguments(p, int, float)
     engine = next(a for a in p._actions if a.dest == "engine")
     assert set(engine.choices) == set(PROFILES) and engine.default == DEFAULT_ENGINE
+
+
+@pytest.mark.parametrize("op, layout, recipes, refused", [
+    (Mamba2(128, heads=7, head_dim=32, state=32, groups=1), "tp2", "", "7 Mamba heads over tp2"),
+    (Mamba2(128, heads=8, head_dim=32, state=32, groups=2), "tp4", "", "2 Mamba groups over tp4"),
+    (Mamba2(128, heads=8, head_dim=32, state=32, groups=1), "tp4", "", ""),  # one group, replicated
+    (Mamba2(128, heads=8, head_dim=32, state=32, groups=1), "tp4", "fp8", "1 Mamba groups over tp4"),
+    (Attention(128, q_heads=4, kv_heads=2, head_dim=32), "tp4", "", ""),  # each KV head on two devices
+    (Attention(128, q_heads=4, kv_heads=2, head_dim=32), "tp8", "", "4 query heads over tp8"),
+    (Attention(128, q_heads=6, kv_heads=3, head_dim=32), "tp2", "", "3 KV heads over tp2"),
+    (MLPOp(128, d_ff=100), "tp8", "", "MLP width 100 over tp8"),
+    (MoE(128, experts=8, top_k=2, d_ff=100, shared_d_ff=128), "tp8", "", "expert width 100 over the 8 devices"),
+    (MoE(128, experts=8, top_k=2, d_ff=100, shared_d_ff=128), "tp8.ep8", "", ""),  # whole experts per device
+    (MoE(128, experts=8, top_k=2, d_ff=128, shared_d_ff=100), "tp8.ep8", "", "shared expert width 100 over tp8"),
+])
+def test_a_block_splits_over_tensor_parallel_devices_as_the_engines_assert(op, layout, recipes, refused):
+    why = split_refusal(op, Layout.parse(layout), recipes)
+    assert why.startswith(refused) if refused else why == ""
+
+
+def test_a_multi_gpu_search_keeps_to_what_the_engines_split(meta_lib):
+    """The built-in model's 4 query heads (its MTP head's too) split over at most 4 devices, its 2 Mamba
+    groups over at most 2: under the engines' rules no tp4 or tp8 layout is searched or priced for the
+    parent, and a pinned layout refuses exactly the options that do not split over it."""
+    parent, lib = meta_lib
+    free = Search(lib, parent, [("8xb200", "decode-heavy")], constraints=Constraints(speedup=1.5), engine="none")
+    served = Search(lib, parent, [("8xb200", "decode-heavy")], constraints=Constraints(speedup=1.5))
+    assert {cm.layout.tp for cm in free.models[0]} == {1, 2, 4, 8}
+    assert {cm.layout.tp for cm in served.models[0]} == {1, 2}
+    assert {Layout.parse(r["layout"]).tp for r in served.base[0].layouts} == {1, 2}
+    scenario = dataclasses.replace(get_scenario("decode-heavy"), layout="tp2.r4")
+    search = Search(lib, parent, [("8xb200", scenario)], constraints=Constraints(max_params=0.8 * _total(parent)))
+    off = search.problem(search.spans()[0]).rows["unsplit_layers"].costs
+    expected = [bool(split_refusal(sp, Layout.parse("tp2.r4"))) for sp in search.specs]
+    assert off.astype(bool).tolist() == expected and any(expected)  # e.g. 7 Mamba heads
+    child = search.child(search.rows_of(search.plan()))
+    assert not [n.path for n in child.nodes if split_refusal(n.op, Layout.parse("tp2.r4"))]
+    with pytest.raises(PassError, match="no layout of 8xb200 splits.*4 query heads over tp8"):
+        Search(lib, parent, [("8xb200", dataclasses.replace(scenario, layout="tp8"))],
+               constraints=Constraints(max_params=0.8 * _total(parent)))
+
+
+def _total(prog) -> int:
+    return prog.param_counts()["total"]

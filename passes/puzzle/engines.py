@@ -9,6 +9,9 @@ must then agree across layers (docs/engines.md has the code each rule was read f
 - SGLang reads an MLP's width from the top level only; TensorRT-LLM reads per layer only the MoE fields, so
   attention heads and MLP widths agree across layers, and its MoE routing kernel takes top-k <= 8 below 385
   experts;
+- all three split heads and widths over the tensor-parallel devices and assert that they divide
+  (`split_refusal`): a search over a multi-GPU target keeps to the layouts the parent splits over and to the
+  choices that split over the layout chosen;
 - under NVFP4 a MoE latent that is cut must stay a multiple of 512 and an expert's width a multiple of the
   16-value scale block.
 `all` (the default) admits what every engine loads; `none` lifts every rule (the child may then need
@@ -50,6 +53,36 @@ def _routing_top_k(spec, parent, recipes: str) -> str:
     return ""
 
 
+def split_refusal(op, layout, recipes: str = "") -> str:
+    """Why `op` does not split over `layout` the way the engines split it when they load it (each asserts
+    these), or "": Mamba heads, and groups unless one group is replicated (not under quantization), by tp;
+    attention query heads by tp and KV heads by tp or tp by them (then replicated); dense and shared-expert
+    widths by tp; an expert's width by the devices that split it (tp x dp / ep)."""
+    tp = layout.tp
+    if op.kind == "mtp":
+        return next((why for b in op.blocks if (why := split_refusal(b, layout, recipes))), "")
+    quantized = "fp8" in recipes or "nvfp4" in recipes
+    if op.kind == "mamba2":
+        if op.heads % tp:
+            return f"{op.heads} Mamba heads over tp{tp}"
+        if op.groups % tp and (op.groups > 1 or quantized):
+            return f"{op.groups} Mamba groups over tp{tp} (one group is replicated, unquantized only)"
+    if op.kind == "attention":
+        if op.q_heads % tp:
+            return f"{op.q_heads} query heads over tp{tp}"
+        if op.kv_heads % tp and tp % op.kv_heads:
+            return f"{op.kv_heads} KV heads over tp{tp} (neither divides the other)"
+    if op.kind == "mlp" and op.d_ff % tp:
+        return f"MLP width {op.d_ff} over tp{tp}"
+    if op.kind == "moe":
+        split = layout.group // layout.ep
+        if op.d_ff % split:
+            return f"expert width {op.d_ff} over the {split} devices that split each expert"
+        if op.shared_d_ff % tp:
+            return f"shared expert width {op.shared_d_ff} over tp{tp}"
+    return ""
+
+
 @dataclass(frozen=True)
 class EngineProfile:
     """The rules one engine (or every engine, `all`) puts on a child it loads."""
@@ -72,6 +105,10 @@ class EngineProfile:
         return next((why for rule in self.rules if spec.kind == parent.kind and (why := rule(spec, parent, recipes))),
                     "")
 
+    def unsplit(self, op, layout, recipes: str = "") -> str:
+        """Why `op` does not split over `layout` in this profile's engines ("" : it does, or no engine)."""
+        return split_refusal(op, layout, recipes) if self.engines else ""
+
     def check_parent(self, prog) -> None:
         """Refuses a parent none of whose children this profile admits: an MTP head of another form."""
         head = prog.find("mtp")
@@ -88,7 +125,7 @@ class EngineProfile:
         rules = [f"{k} {'/'.join(a)} equal in every layer" for k, a in self.uniform]
         rules += [f"{'/'.join(self.blocks)} blocks only"] if self.blocks is not None else []
         rules += [f"an MTP head of {'+'.join(self.mtp)}"] if self.mtp is not None else []
-        rules += [r.__doc__ for r in self.rules]
+        rules += [r.__doc__ for r in self.rules] + ["head counts and widths split over the layout's devices"]
         return f"{self.name} (loadable by {', '.join(self.engines)}: {'; '.join(rules)})"
 
 

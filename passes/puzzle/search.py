@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...backends.cost import CostModel, Scenario, best_layout, get_scenario
-from ...backends.layout import layouts
+from ...backends.layout import Layout, layouts
 from ...backends.targets import get_target
 from ...ir import Program
 from ..core import PassError
@@ -147,6 +147,8 @@ def explain(e: Infeasible, pr: Priced) -> str:
 
 
 def _fmt(resource: str, v: float) -> str:
+    if "layers" in resource:
+        return f"{v:.0f} layers"
     if "seconds" in resource:
         return f"{v * 1e3:.4g} ms"
     if "memory" in resource:
@@ -189,19 +191,53 @@ class Search:
         self.uniform = {u: self._labels(u) for u in groups}
         self.scenarios = [self._scenario(s, recipe) for _, s in targets]
         hardware = [get_target(t) if isinstance(t, str) else t for t, _ in targets]
-        # the child in every layout of each target's GPUs (or the one pinned), drafting as its head accepts
-        self.models = [[CostModel(parent, t, self._child(s), provider, layout=L)
-                        for L in ([s.layout] if s.layout else layouts(s.gpus or t.devices))]
-                       for t, s in zip(hardware, self.scenarios)]
+        # the child in every layout of each target's GPUs (or the one pinned) that the engines can split a child
+        # over, drafting as its head accepts
+        self.recipes, self._unsplit_memo = recipes, {}
+        self.models = []
+        for t, s in zip(hardware, self.scenarios):
+            every = [Layout.parse(s.layout)] if s.layout else layouts(s.gpus or t.devices)
+            why = {str(L): self._no_child_splits(L) for L in every}
+            if all(why.values()):
+                raise PassError(f"engine {self.engine.name}: no layout of {t.name} splits the model as the engines "
+                                f"do ({'; '.join(f'{k}: {v}' for k, v in why.items())}); use engine none")
+            self.models.append([CostModel(parent, t, self._child(s), provider, layout=L)
+                                for L in every if not why[str(L)]])
         need_base = self.c.speedup or (fraction < 1 and self.c.concurrency)
-        self.base = [best_layout(parent, t, s, provider)[1] for t, s in zip(hardware, self.scenarios)] \
-            if need_base else []
+        # the parent's throughput in the best layout the engines split all of it over
+        whole = self._refused(n.op for n in parent.nodes)
+        self.base = [best_layout(parent, t, s, provider, fits=lambda L: not whole(L))[1]
+                     for t, s in zip(hardware, self.scenarios)] if need_base else []
         if fraction < 1:  # counts move here, bounds in `problem` (they need the parent's figures)
             base = self.base[0].max_concurrency if self.c.concurrency else 0
             self.c = dataclasses.replace(self.c, speedup=self._move(1.0, self.c.speedup, up=True) if self.c.speedup else 0.0,
                                          concurrency=math.ceil(self._move(max(base, 1), self.c.concurrency, up=True))
                                          if self.c.concurrency else 0)
         self._costs: dict = {}
+
+    def _refused(self, ops):
+        """layout -> why the engines do not split one of `ops` over it ("" : they split them all)."""
+        ops = list(ops)
+        return lambda L: next((why for op in ops if (why := self.engine.unsplit(op, L, self.recipes))), "")
+
+    def _no_child_splits(self, layout) -> str:
+        """Why the engines split no child over `layout` (a part outside the blocks, or a layer none of whose
+        options splits), or ""."""
+        blocks = {n.path for n in self.parent.blocks()}
+        why = self._refused(n.op for n in self.parent.nodes if n.path not in blocks)(layout)
+        off = self._unsplit(layout)
+        stuck = next((layer for layer in dict.fromkeys(self.layer.tolist()) if off[self.layer == layer].all()), None)
+        if not why and stuck is not None:
+            why = f"layer {stuck}: " + self.engine.unsplit(self.lib.spec(self.parents[stuck]), layout, self.recipes)
+        return why
+
+    def _unsplit(self, layout) -> np.ndarray:
+        """Per option: 1 where the engines do not split it over `layout`."""
+        key = str(layout)
+        if key not in self._unsplit_memo:
+            self._unsplit_memo[key] = np.array([float(bool(self.engine.unsplit(sp, layout, self.recipes)))
+                                                for sp in self.specs])
+        return self._unsplit_memo[key]
 
     def _scenario(self, s, recipe: str) -> Scenario:
         """The target's scenario, with one context for parent and child when the constraints name one."""
@@ -309,6 +345,10 @@ class Search:
             for key, bound in (("params", c.max_params), ("active_params", c.max_active)):
                 if bound:
                     want[key] = (lo, key, bound)
+        off = self._unsplit(L)
+        if off.any():  # choices the engines cannot split over this layout
+            parent = float(sum(off[i] for i, r in enumerate(self.rows) if r["id"] == "parent"))
+            rows[f"unsplit_layers@{tag}" if len(self.models) > 1 else "unsplit_layers"] = Row(off, 0.0, 0.0, parent)
         for key, ((o, f, p), col, bound) in want.items():
             name = f"{key}@{tag}" if len(self.models) > 1 and key not in ("params", "active_params") else key
             parent = p[col] + f[col]
