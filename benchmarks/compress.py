@@ -10,7 +10,8 @@ on any machine), under the default engine profile (what vLLM, SGLang and TensorR
 3. Iterative Puzzle: one step against 2 and 3 rounds (--rounds) at the same target and the same total steps
    (--iterative-steps, default the largest budget), per seed: mean and spread. The rounds before the last
    repair milder cuts and take their own learning rate (--early-lrs, chosen on the selection set); each
-   round's distillation is listed (selection-set KL pruned and best, and the best step).
+   round's distillation is listed (selection-set KL pruned and best, and the best step). `by-damage` splits the
+   steps by the damage each round's search predicts instead of equally.
 4. Throughput: the search's predicted h100 ratio, and decode tokens/s measured here against the cpu cost
    model's prediction for the same step (tools.compress.decode_figures).
 
@@ -68,7 +69,7 @@ def main() -> None:
     ap.add_argument("--early-lrs", default="1e-4,3e-4,1e-3", help="learning rates for Iterative Puzzle's rounds "
                     "before the last, chosen on the selection set")
     ap.add_argument("--lr", type=float, help="use this learning rate (an earlier sweep's choice) instead of sweeping")
-    ap.add_argument("--parts", default="budgets,iterative,decode", help="which of budgets, iterative, decode to run")
+    ap.add_argument("--parts", default="budgets,iterative,decode", help="which of budgets, iterative, by-damage (Iterative Puzzle with steps by damage), decode to run")
     ap.add_argument("--head-steps", type=int, default=100)
     ap.add_argument("--results", default="compress-results.json")
     args = ap.parse_args()
@@ -154,32 +155,37 @@ def main() -> None:
     # distilled for its share of the steps at each --early-lrs.
     top = args.iterative_steps or budgets[-1]
 
-    def rounds_of(n, seed, early_lr, last=None):
+    def rounds_of(n, seed, early_lr, last=None, by_damage=False):
         """Rounds 1..last of n (puzzle, then distill at early_lr before the last round, lr in it), with each
-        round's distillation on the selection set: pruned, best, at which step."""
-        prog, log = parent.copy(), []
+        round's distillation on the selection set: pruned, best, at which step. Steps: equal per round, or
+        (`by_damage`) a round before the last takes the share of the total that its search's objective (the
+        damage it predicts) is of the one-step search's, and the last round the rest."""
+        prog, log, spent = parent.copy(), [], 0
         am = AnalysisManager(prog)
         am.snapshots["teacher"] = parent
         for i in range(1, (last or n) + 1):
             am.round = (i, n)
             r_lr = lr if i == n else early_lr
-            PassManager(f"puzzle{{{search},parent=teacher}},distill{{steps={top // n},{kd(top // n, r_lr, seed)}}}"
-                        ).run(prog, am)
+            PassManager(f"puzzle{{{search},parent=teacher}}").run(prog, am)
+            share = am.reports["puzzle"][-1]["objective"] / plans["mip"]["objective"]
+            steps = top // n if not by_damage else top - spent if i == n else max(6, round(top * share))
+            spent += steps
+            PassManager(f"distill{{steps={steps},{kd(steps, r_lr, seed)}}}").run(prog, am)
             d = am.reports["distill"][-1]
-            log.append({"lr": r_lr, "selection_kl": [round(d["before"]["kl"], 5), round(d["best"]["kl"], 5)],
+            log.append({"lr": r_lr, "steps": steps, "selection_kl": [round(d["before"]["kl"], 5), round(d["best"]["kl"], 5)],
                         "best_step": d["best"]["step"]})
         return prog, am, log
 
     early = None
-    if "iterative" in parts:
+    if "iterative" in parts or "by-damage" in parts:
         by_lr = {x: cell(f"early-lr/{x:g}", lambda: {"selection_kl": rounds_of(2, 0, x, last=1)[2][0]["selection_kl"][1]})
                  ["selection_kl"] for x in [float(v) for v in args.early_lrs.split(",")]}
         early = min(by_lr, key=by_lr.get)
         print(f"rounds before the last at learning rate {early:g}: least selection-set KL of round 1 of 2 after "
               f"{top // 2} steps ({by_lr})")
 
-    def iterative(n, seed):
-        prog, am, log = rounds_of(n, seed, early)
+    def iterative(n, seed, by_damage=False):
+        prog, am, log = rounds_of(n, seed, early, by_damage=by_damage)
         run(prog, f"distill{{head_only=true,steps={args.head_steps},{kd(args.head_steps, lr, seed)}}}")
         return {**report_figures(materialize(prog), teacher, windows, prompts),
                 "params": prog.param_counts()["total"], "predicted_ratio": am.reports["puzzle"][-1]["throughput_ratio"],
@@ -188,6 +194,9 @@ def main() -> None:
     for n in rounds if "iterative" in parts else ():
         for seed in seeds:
             cell(f"iterative{n}/{top}/{seed}", lambda: iterative(n, seed))
+    for n in rounds if "by-damage" in parts else ():
+        for seed in seeds:
+            cell(f"iterative{n}-by-damage/{top}/{seed}", lambda: iterative(n, seed, by_damage=True))
 
     # 4. throughput: decode at batch 8 after 256 tokens, measured here and predicted by the cpu cost model
     chat = get_scenario("chat")
@@ -229,7 +238,8 @@ def print_tables(results, budgets, seeds, rounds, lr, top, speed) -> None:
               f"{np.mean([c['accept'] for c in mip]):.3f} against the parent's {parent['accept']:.3f} (goal >=); "
               + "; ".join(f"MIP beats {m} in {sum(a < b for a, b in p)} of {len(p)} seeds" for m, p in pairs.items()))
     rows = [("strategy", "KL (mean ± sd)", "top-1", "MTP accept", "params", "predicted h100 ratio")]
-    for name, key in [("one step", "mip/{}/{}")] + [(f"{n} rounds", f"iterative{n}/{{}}/{{}}") for n in rounds]:
+    for name, key in [("one step", "mip/{}/{}")] + [(f"{n} rounds", f"iterative{n}/{{}}/{{}}") for n in rounds] + \
+            [(f"{n} rounds, steps by damage", f"iterative{n}-by-damage/{{}}/{{}}") for n in rounds]:
         cells = [results[key.format(top, s)] for s in seeds if key.format(top, s) in results]
         if cells:
             extra = results["mip/pruned"] if name == "one step" else cells[0]
