@@ -69,7 +69,8 @@ def main() -> None:
     ap.add_argument("--early-lrs", default="1e-4,3e-4,1e-3", help="learning rates for Iterative Puzzle's rounds "
                     "before the last, chosen on the selection set")
     ap.add_argument("--lr", type=float, help="use this learning rate (an earlier sweep's choice) instead of sweeping")
-    ap.add_argument("--parts", default="budgets,iterative,decode", help="which of budgets, iterative, by-damage (Iterative Puzzle with steps by damage), decode to run")
+    ap.add_argument("--parts", default="budgets,iterative,decode",
+                    help="which of budgets, iterative, by-damage (Iterative Puzzle, steps by damage), decode to run")
     ap.add_argument("--head-steps", type=int, default=100)
     ap.add_argument("--results", default="compress-results.json")
     args = ap.parse_args()
@@ -172,14 +173,17 @@ def main() -> None:
             spent += steps
             PassManager(f"distill{{steps={steps},{kd(steps, r_lr, seed)}}}").run(prog, am)
             d = am.reports["distill"][-1]
-            log.append({"lr": r_lr, "steps": steps, "selection_kl": [round(d["before"]["kl"], 5), round(d["best"]["kl"], 5)],
-                        "best_step": d["best"]["step"]})
+            log.append({"lr": r_lr, "steps": steps, "best_step": d["best"]["step"],
+                        "selection_kl": [round(d["before"]["kl"], 5), round(d["best"]["kl"], 5)]})
         return prog, am, log
 
     early = None
     if "iterative" in parts or "by-damage" in parts:
-        by_lr = {x: cell(f"early-lr/{x:g}", lambda: {"selection_kl": rounds_of(2, 0, x, last=1)[2][0]["selection_kl"][1]})
-                 ["selection_kl"] for x in [float(v) for v in args.early_lrs.split(",")]}
+        def round_one(x):
+            return {"selection_kl": rounds_of(2, 0, x, last=1)[2][0]["selection_kl"][1]}
+
+        by_lr = {x: cell(f"early-lr/{x:g}", lambda: round_one(x))["selection_kl"]
+                 for x in [float(v) for v in args.early_lrs.split(",")]}
         early = min(by_lr, key=by_lr.get)
         print(f"rounds before the last at learning rate {early:g}: least selection-set KL of round 1 of 2 after "
               f"{top // 2} steps ({by_lr})")

@@ -594,7 +594,8 @@ class Search:
         if self.engine.name == "none":
             return ""
         return (f"\n  (under the engine profile {self.engine.name!r}, whose rules are part of the constraints: "
-                "engine=none lifts them (--engine none, and --extended on compress), for a child no serving engine loads)")
+                "engine=none lifts them (--engine none, and --extended on compress), for a child no serving engine "
+                "loads)")
 
     def _fitting(self, e: Infeasible) -> str:
         """With a concurrency target out of reach in memory: how many requests do fit (found by solving)."""
