@@ -720,6 +720,11 @@ def _layout_for(target: Target, s: Scenario, layout) -> Layout:
     return layout
 
 
+def layouts_of(target: Target, scenario: Scenario) -> list[Layout]:
+    """The scenario's pinned layout, or every layout of the GPUs it uses."""
+    return [Layout.parse(scenario.layout)] if scenario.layout else layouts(scenario.gpus or target.devices)
+
+
 def best_layout(prog: Program, target: Target | str, scenario: Scenario, provider: Provider | None = None,
                 routing: dict | None = None, fits=None) -> tuple[CostModel, CostReport]:
     """The scenario's pinned layout, or every layout of its GPUs tried (those `fits(layout)` admits, when
@@ -727,13 +732,8 @@ def best_layout(prog: Program, target: Target | str, scenario: Scenario, provide
     its report listing every layout tried."""
     target = get_target(target) if isinstance(target, str) else target
     scenario = scenario.check()
-    if scenario.layout and fits is None:
-        cm = CostModel(prog, target, scenario, provider, routing)
-        r = cm.report()
-        r.layouts = [r.summary()]
-        return cm, r
     tried = []
-    for layout in [Layout.parse(scenario.layout)] if scenario.layout else layouts(scenario.gpus or target.devices):
+    for layout in layouts_of(target, scenario):
         if fits is None or fits(layout):
             cm = CostModel(prog, target, scenario, provider, routing, layout)
             tried.append((cm, cm.report()))

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...backends.cost import CostModel, Scenario, best_layout, get_scenario
-from ...backends.layout import Layout, layouts
+from ...backends.cost import CostModel, Scenario, best_layout, get_scenario, layouts_of
 from ...backends.targets import get_target
 from ...ir import Program
 from ..core import PassError
@@ -196,7 +195,7 @@ class Search:
         self.recipes, self._unsplit_memo = recipes, {}
         self.models = []
         for t, s in zip(hardware, self.scenarios):
-            every = [Layout.parse(s.layout)] if s.layout else layouts(s.gpus or t.devices)
+            every = layouts_of(t, s)
             why = {str(L): self._no_child_splits(L) for L in every}
             if all(why.values()):
                 raise PassError(f"engine {self.engine.name}: no layout of {t.name} splits the model as the engines "
