@@ -1,8 +1,15 @@
-"""Byte-level text corpora: the Python standard library's own source, or the user's files and JSONL."""
+"""Corpora of token ids in the model's own tokenization: the Python standard library's source, or the user's
+documents (see documents.py for the formats), split into training text and held-out text by document.
+
+A subword tokenizer's documents are tokenized once (the fast tokenizer's batch path, with progress), joined as
+BOS (where the tokenizer adds one) + text + EOS, and cached on disk by a content hash of the data and the
+tokenizer, so a second run does not tokenize again. The byte codec's documents are their UTF-8 bytes joined by
+a blank line, as the built-in model was trained on."""
 from __future__ import annotations
 
 import hashlib
-import json
+import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,14 +17,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import PuzzlekitError
+from .documents import TEXT_SUFFIXES, DataError, fingerprint, read_documents
+from .tokenizer import BYTES
 
-TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".jsonl", ".c", ".h", ".toml", ".cfg", ".ini", ".html"}
-SEPARATOR = b"\n\n"
+__all__ = ["HELD_OUT", "TEXT_SUFFIXES", "Corpus", "DataError", "corpus_for", "held_out_windows", "is_validation",
+           "load_corpus", "random_windows", "sequential_windows", "stdlib_corpus", "stdlib_files"]
 
-
-class DataError(PuzzlekitError):
-    """Training or evaluation data cannot be read."""
+#: the three disjoint parts of the held-out text, each for one use, so that no figure is measured on data the
+#: step it judges was chosen on: `scoring` the library's replace-one-block scores (the search minimises them),
+#: `selection` distillation's keep-best evaluations, `report` every figure reported (compress's report, `eval`,
+#: `mtp-check`, the benchmarks)
+HELD_OUT = ("scoring", "selection", "report")
+#: a corpus of a subword tokenizer keeps at least this many held-out documents (one per held-out set)
+MIN_HELD_OUT_DOCS = len(HELD_OUT)
+#: what joins the byte codec's documents
+SEPARATOR = BYTES.separator.tobytes()
+#: documents tokenized per call of the fast tokenizer's batch path
+TOKENIZE_BATCH = 512
+#: bump when the tokenized form changes: old cache entries are then not read
+CACHE_FORMAT = 1
 
 
 def stdlib_files() -> list[Path]:
@@ -27,117 +45,182 @@ def stdlib_files() -> list[Path]:
 
 
 def is_validation(name: str, every: int = 20) -> bool:
-    """Deterministic split by path: about one file in `every` is held out."""
+    """Deterministic split by document name: about one document in `every` is held out."""
     return int(hashlib.sha1(name.encode()).hexdigest(), 16) % every == 0
-
-
-#: the three disjoint parts of the held-out text, each for one use, so that no figure is measured on data the
-#: step it judges was chosen on: `scoring` the library's replace-one-block scores (the search minimises them),
-#: `selection` distillation's keep-best evaluations, `report` every figure reported (compress's report, `eval`,
-#: `mtp-check`, the benchmarks)
-HELD_OUT = ("scoring", "selection", "report")
 
 
 @dataclass
 class Corpus:
-    """One byte stream per split (documents joined by a blank line)."""
+    """The training and held-out token streams; `starts` are the held-out documents' first positions (None for
+    the byte codec, whose held-out sets are cut at blank lines as they always were)."""
 
-    train: np.ndarray  # uint8
+    train: np.ndarray
     valid: np.ndarray
+    starts: np.ndarray | None = None
+    tokenizer: object = BYTES
+
+    @property
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes per token id (for bits per byte)."""
+        return self.tokenizer.token_bytes
 
     def held_out(self, role: str) -> np.ndarray:
         """The `role` third of the held-out stream (see HELD_OUT): consecutive, disjoint parts, each cut at the
-        first blank line past its third where there is one (documents are joined by one)."""
+        first document start past its third (the byte codec: the first blank line, where there is one)."""
         if role not in HELD_OUT:
             raise DataError(f"unknown held-out set {role!r}; known: {', '.join(HELD_OUT)}")
-        cuts = [0, *(_boundary(self.valid, len(self.valid) * k // 3) for k in (1, 2)), len(self.valid)]
+        n = len(self.valid)
+        if self.starts is None:
+            inner = [_blank_line_after(self.valid, n * k // 3) for k in (1, 2)]
+        else:
+            inner = [int(self.starts[i]) if (i := np.searchsorted(self.starts, n * k // 3)) < len(self.starts) else n
+                     for k in (1, 2)]
+        cuts = [0, *inner, n]
         i = HELD_OUT.index(role)
         return self.valid[cuts[i]:cuts[i + 1]]
 
 
-def _boundary(stream: np.ndarray, at: int) -> int:
-    """The end of the first SEPARATOR at or after byte `at` (`at` itself when none follows)."""
-    sep = np.frombuffer(SEPARATOR, dtype=np.uint8)
+def _blank_line_after(stream: np.ndarray, at: int) -> int:
+    """The end of the first blank line ("\\n\\n") at or after byte `at` (`at` itself when none follows)."""
+    sep = BYTES.separator
     starts = np.flatnonzero((stream[at:len(stream) - 1] == sep[0]) & (stream[at + 1:] == sep[1]))
     return at + int(starts[0]) + len(sep) if len(starts) else at
 
 
-def _join(docs: list[bytes]) -> np.ndarray:
-    return np.frombuffer(SEPARATOR.join(docs), dtype=np.uint8).copy()
+def _stdlib_documents(limit_bytes: int | None):
+    root, size = Path(sysconfig.get_paths()["stdlib"]), 0
+    for f in stdlib_files():
+        data = f.read_bytes()
+        yield f.relative_to(root).as_posix(), data.decode("utf-8", errors="surrogateescape")
+        size += len(data)
+        if limit_bytes and size >= limit_bytes:
+            return
+
+
+def _documents(paths: list[str], tokenizer, limit_bytes: int | None) -> list[tuple[str, str]]:
+    if not paths:
+        return list(_stdlib_documents(limit_bytes))
+    docs = []
+    for p in paths:
+        try:
+            docs += read_documents(p, tokenizer.render_chat)
+        except OSError as e:  # unreadable file or directory
+            raise DataError(f"cannot read {e.filename or p}: {e.strerror or e}") from None
+    if not docs:
+        raise DataError(f"no text found in {[str(p) for p in paths]} (suffixes read: {sorted(TEXT_SUFFIXES)})")
+    return docs
+
+
+def _byte_corpus(docs: list[tuple[str, str]]) -> Corpus:
+    """Bytes joined by a blank line; with too few documents for both splits, the stream's last twentieth is
+    held out."""
+    parts = {True: [], False: []}
+    for name, text in docs:
+        parts[is_validation(name)].append(BYTES.encode(text).tobytes())
+
+    def join(blobs):
+        return np.frombuffer(BYTES.separator.tobytes().join(blobs), dtype=np.uint8).copy()
+
+    if not parts[True] or not parts[False]:
+        joined = join(parts[False] + parts[True])
+        cut = max(1, len(joined) // 20)
+        return Corpus(joined[:-cut], joined[-cut:])
+    return Corpus(join(parts[False]), join(parts[True]))
+
+
+def _tokenized(docs: list[tuple[str, str]], tok, progress: bool) -> Corpus:
+    """Each document as BOS + text + EOS; held out by document (at least one per held-out set)."""
+    from tqdm import tqdm
+
+    held = [is_validation(name) for name, _ in docs]
+    if sum(held) < MIN_HELD_OUT_DOCS <= len(docs) - MIN_HELD_OUT_DOCS:
+        ranked = sorted((i for i, h in enumerate(held) if not h), key=lambda i: hashlib.sha1(docs[i][0].encode()).digest())
+        for i in ranked[:MIN_HELD_OUT_DOCS - sum(held)]:
+            held[i] = True
+    streams = {True: [], False: []}
+    bar = tqdm(total=len(docs), desc="tokenize", unit="doc", disable=not progress)
+    for at in range(0, len(docs), TOKENIZE_BATCH):
+        chunk = docs[at:at + TOKENIZE_BATCH]
+        for (_, text), ids, h in zip(chunk, tok.encode_batch([t for _, t in chunk]), held[at:]):
+            streams[h].append(np.asarray(tok.document(ids, text), dtype=np.int32))
+        bar.update(len(chunk))
+    bar.close()
+    if not streams[True] or not streams[False]:  # too few documents to hold whole ones out: the stream's tail
+        joined = np.concatenate(streams[False] + streams[True])
+        cut = max(3, len(joined) // 20)
+        return Corpus(joined[:-cut], joined[-cut:], np.array([0, cut // 3, 2 * cut // 3]), tok)
+    lengths = np.array([len(s) for s in streams[True]])
+    return Corpus(np.concatenate(streams[False]), np.concatenate(streams[True]),
+                  np.concatenate([[0], np.cumsum(lengths)[:-1]]), tok)
+
+
+def cache_dir() -> Path:
+    """$PUZZLEKIT_CACHE (default ~/.cache/puzzlekit): tokenized data and ONNX exports."""
+    return Path(os.environ.get("PUZZLEKIT_CACHE", Path.home() / ".cache" / "puzzlekit"))
+
+
+def _cache_key(paths: list[str], tok, limit_bytes: int | None) -> str:
+    data = fingerprint(paths) if paths else f"stdlib {sys.version} {sysconfig.get_paths()['stdlib']} {limit_bytes}"
+    return hashlib.sha256(f"{CACHE_FORMAT}|{data}|{tok.identity}".encode()).hexdigest()[:40]
+
+
+def _cached(key: str, make) -> Corpus:
+    from safetensors.numpy import load_file, save_file
+
+    f = cache_dir() / "tokens" / f"{key}.safetensors"
+    if f.exists():
+        try:
+            t = load_file(str(f))
+            return Corpus(t["train"], t["valid"], t["starts"])
+        except Exception:  # a damaged entry is made again
+            pass
+    c = make()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_name(f".{f.name}.{os.getpid()}.tmp")
+    save_file({"train": c.train, "valid": c.valid, "starts": c.starts.astype(np.int64)}, str(tmp))
+    os.replace(tmp, f)
+    return c
+
+
+_CORPORA: dict[tuple, Corpus] = {}
+
+
+def load_corpus(paths: list[str] | None = None, limit_bytes: int | None = None, tokenizer=BYTES,
+                progress: bool = False) -> Corpus:
+    """The corpus of `paths` (default: the standard library, up to `limit_bytes` of it) in `tokenizer`'s ids,
+    made once per process (and, for a subword tokenizer, once per machine: see the module's docstring)."""
+    paths = [str(p) for p in paths or []]
+    key = (tokenizer.identity, fingerprint(paths) if paths else None, limit_bytes)
+    if key not in _CORPORA:
+        if tokenizer is BYTES:
+            _CORPORA[key] = _byte_corpus(_documents(paths, tokenizer, limit_bytes))
+        else:
+            made = _cached(_cache_key(paths, tokenizer, limit_bytes),
+                           lambda: _tokenized(_documents(paths, tokenizer, limit_bytes), tokenizer, progress))
+            made.tokenizer = tokenizer
+            _CORPORA[key] = made
+    return _CORPORA[key]
 
 
 def stdlib_corpus(limit_bytes: int | None = None) -> Corpus:
-    """The standard library as a corpus; split by file path (relative to the stdlib root)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, valid, size = [], [], 0
-    for f in stdlib_files():
-        rel = f.relative_to(root).as_posix()
-        data = f.read_bytes()
-        (valid if is_validation(rel) else train).append(data)
-        size += len(data)
-        if limit_bytes and size >= limit_bytes:
-            break
-    return Corpus(_join(train), _join(valid))
+    """The standard library as a byte-level corpus, split by file path (relative to the stdlib root)."""
+    return load_corpus(None, limit_bytes)
 
 
-def _documents(path: Path, name: str | None = None) -> list[tuple[str, bytes]]:
-    """(name, bytes) per document; names are relative to the argument, so the split does not depend on
-    how the path was spelled."""
-    name = name or path.name
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-        return [d for f in files for d in _documents(f, f.relative_to(path).as_posix())]
-    if not path.exists():
-        raise DataError(f"{path} does not exist; pass text files, directories or .jsonl files")
-    if path.suffix == ".jsonl":
-        docs = []
-        try:
-            text = path.read_text()
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
-        for i, line in enumerate(text.splitlines()):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise DataError(f"{path}:{i + 1}: each JSONL record needs a string field \"text\"")
-            docs.append((f"{name}:{i + 1}", rec["text"].encode()))
-        return docs
-    return [(name, path.read_bytes())]
+def corpus_for(prog, paths: list[str] | None = None, progress: bool = False) -> Corpus:
+    """`load_corpus` in the program's own tokenization (tokenizer.tokenizer_of: refused for a subword model
+    without a tokenizer, before any text is read)."""
+    from .tokenizer import tokenizer_of
 
-
-def user_corpus(paths: list[str | Path]) -> Corpus:
-    """The user's text files, directories (recursively, text suffixes) and JSONL ({"text": ...} per line)."""
-    train, valid = [], []
-    for p in paths:
-        try:
-            docs = _documents(Path(p))
-        except OSError as e:  # unreadable file or directory
-            raise DataError(f"cannot read {e.filename or p}: {e.strerror or e}") from None
-        for name, data in docs:
-            (valid if is_validation(name) else train).append(data)
-    if not train and not valid:
-        raise DataError(f"no text found in {[str(p) for p in paths]} (suffixes read: {sorted(TEXT_SUFFIXES)})")
-    if not train or not valid:  # few documents: hold out the tail of the stream instead
-        joined = _join(train + valid)
-        cut = max(1, len(joined) // 20)
-        return Corpus(joined[:-cut], joined[-cut:])
-    return Corpus(_join(train), _join(valid))
-
-
-def load_corpus(paths: list[str] | None = None, limit_bytes: int | None = None) -> Corpus:
-    return user_corpus(paths) if paths else stdlib_corpus(limit_bytes)
+    return load_corpus(paths, tokenizer=tokenizer_of(prog), progress=progress)
 
 
 def random_windows(stream: np.ndarray, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    """`batch` random windows of `length` bytes as int64 token ids [batch, length]."""
+    """`batch` random windows of `length` tokens as int64 token ids [batch, length]."""
     if batch < 1 or length < 1:
         raise DataError(f"windows need batch >= 1 and length >= 1 (got batch {batch}, length {length})")
     if len(stream) <= length:
-        raise DataError(f"the text ({len(stream)} bytes) is shorter than one window of {length} bytes")
+        raise DataError(f"the text ({len(stream)} tokens) is shorter than one window of {length} tokens")
     starts = torch.randint(0, len(stream) - length, (batch,), generator=generator).numpy()
     return torch.from_numpy(np.stack([stream[s:s + length] for s in starts]).astype(np.int64))
 
@@ -160,6 +243,6 @@ def sequential_windows(stream: np.ndarray, length: int, limit: int | None = None
     if limit is not None:
         n = min(n, limit)
     if n == 0:
-        raise DataError(f"the held-out text ({len(stream)} bytes) is shorter than one window of {length} bytes; "
+        raise DataError(f"the held-out text ({len(stream)} tokens) is shorter than one window of {length} tokens; "
                         "give more text or a shorter window")
     return torch.from_numpy(stream[: n * length].astype(np.int64).reshape(n, length))

@@ -107,20 +107,39 @@ def _forward(model, windows: torch.Tensor, batch: int, who: str = ""):
 
 
 @torch.no_grad()
-def bits_per_byte(model, windows: torch.Tensor, batch: int = 8) -> float:
-    """Mean next-byte cross-entropy in bits over every position of byte-level windows [n, T]."""
-    total, count = 0.0, 0
+def text_metrics(model, windows: torch.Tensor, token_bytes=None, batch: int = 8) -> dict:
+    """Next-token cross-entropy over every position of windows [n, T] of token ids: bits per byte (the summed NLL
+    in bits over the UTF-8 bytes the scored tokens stand for, `token_bytes[id]`; None: one byte per token, the
+    byte codec), NLL per token (nats) and perplexity. Bits per byte compares models across tokenizers."""
+    total, count, nbytes = 0.0, 0, 0
     for ids, logits, _ in _forward(model, windows, batch):
         total += nll(logits[:, :-1], ids[:, 1:]).sum().item()
         count += ids[:, 1:].numel()
-    return total / count / LN2
+        nbytes += count_bytes(ids[:, 1:], token_bytes)
+    if nbytes == 0:
+        raise PuzzlekitError("the scored tokens stand for no text (only special tokens): bits per byte is undefined")
+    return {"bits_per_byte": total / nbytes / LN2, "nll_per_token": total / count,
+            "perplexity": math.exp(min(total / count, 700.0)), "tokens": count, "bytes": nbytes}
 
 
-def unigram_bits_per_byte(train: np.ndarray, windows: torch.Tensor) -> float:
-    """The baseline: byte frequencies of the training text (add-one smoothed), scored like bits_per_byte."""
-    p = (np.bincount(train, minlength=256) + 1.0) / (len(train) + 256.0)
+def count_bytes(ids: torch.Tensor, token_bytes=None) -> int:
+    """UTF-8 bytes the token ids stand for (`token_bytes` per id; None: one each)."""
+    if token_bytes is None:
+        return ids.numel()
+    return int(np.asarray(token_bytes)[ids.reshape(-1).cpu().numpy()].sum())
+
+
+def bits_per_byte(model, windows: torch.Tensor, batch: int = 8, token_bytes=None) -> float:
+    """`text_metrics`' bits per byte."""
+    return text_metrics(model, windows, token_bytes, batch)["bits_per_byte"]
+
+
+def unigram_bits_per_byte(train: np.ndarray, windows: torch.Tensor, vocab: int = 256, token_bytes=None) -> float:
+    """The baseline: token frequencies of the training text (add-one smoothed over the vocabulary), scored like
+    bits_per_byte."""
+    p = (np.bincount(train, minlength=vocab)[:vocab] + 1.0) / (len(train) + float(vocab))
     targets = windows[:, 1:].reshape(-1).numpy()
-    return float(-np.log2(p[targets]).mean())
+    return float(-np.log2(p[targets]).sum()) / count_bytes(windows[:, 1:], token_bytes)
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from .program import Node, Program
 from .hf_fields import (MAX_LAYERS, check_fields, check_supported, kinds_of, need, short, spec_of,
                         too_many_layers)
 from . import nemotron_h_puzzle as puzzle
+from .companions import copy_companions, has_tokenizer
 from .quant import modelopt
 from .verifier import problems
 from .weights import WeightStore, lazy_tensors, loads_strict, stored_tensors
@@ -415,6 +416,8 @@ def load(path, check_finite: bool = False) -> Program:
         raise CheckpointError(f"{d} has a config.json but no tensors in *.safetensors files; to plan on shapes "
                               f"alone, pass {d / 'config.json'} itself")
     prog.meta["source"] = str(path.resolve())
+    if has_tokenizer(d or path.parent):
+        prog.meta["tokenizer"] = str((d or path.parent).resolve())
     dtype = getattr(torch, prog.meta["dtype"])
     if not tensors:
         return meta_weights(prog, dtype)
@@ -520,6 +523,7 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
     with staged_dir(path, overwrite, prog.input_paths(), need_bytes=0 if metas else sum(w.nbytes(k) for k in names)) as tmp:
         (tmp / "config.json").write_text(json.dumps({**cfg, **({"meta_only": True} if metas else {})}, indent=2)
                                          + "\n")
+        copy_companions(prog, tmp)
         if hf_quant:
             (tmp / modelopt.HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
         if not metas:

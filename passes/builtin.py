@@ -39,7 +39,7 @@ def routing_stats(prog: Program, am: AnalysisManager, samples: int = 16, seq: in
                 undo.append(_wrap_route(m, hook))
         return (lambda: [u() for u in undo]) if undo else None
 
-    windows = calibration_windows([], samples, seq, prog)
+    windows = calibration_windows(list(getattr(am, "data", None) or []), samples, seq, prog)
     for _ in StreamedProgram(prog).outputs(windows, 4, attach=attach):
         pass
     batches = -(-len(windows) // 4)

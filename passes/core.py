@@ -97,6 +97,12 @@ class ComputePass(Pass):
         return resolve(self.device or am.device, self.dtype or am.dtype, am.max_memory)
 
 
+def pipeline_data(own, am) -> list[str]:
+    """A pass's text: its own `data=` option, else the pipeline's (`--data` of run and compress); empty means the
+    standard library."""
+    return [str(d) for d in own] or [str(d) for d in getattr(am, "data", None) or []]
+
+
 PASSES: dict[str, type[Pass]] = {}
 
 

@@ -23,7 +23,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -34,11 +34,12 @@ from .. import evaluate as metrics
 from ..backends.torch.device import CPU, Compute
 from ..ir import Program
 from ..training import FileCheckpoint, Schedule, ShardedCheckpoint, barrier, distributed, fit
-from .core import ComputePass, PassError, Preserved, register
+from ..tokenizer import check_shared, tokenizer_of
+from .core import ComputePass, PassError, Preserved, pipeline_data, register
 
 # -- the registries ------------------------------------------------------------------------------------------
 LOSSES: dict[str, Callable] = {}  # name -> fn(batch: Batch) -> scalar tensor
-DATA: dict[str, Callable] = {}  # name -> fn(settings: Distill) -> Source
+DATA: dict[str, Callable] = {}  # name -> fn(settings: Distill, tokenizer) -> Source
 OPTIMIZERS: dict[str, Callable] = {}  # name -> fn(settings: Distill) -> a Schedule-like object (see training.fit)
 CALLBACKS: dict[str, Callable] = {}  # name -> fn(settings: Distill) -> object with on_step / on_eval
 
@@ -88,10 +89,12 @@ class Batch:
 @dataclass
 class Source:
     """A data source: `sample(generator)` gives a global batch of token ids [batch, seq + 1]; `held_out`
-    the evaluation windows [n, seq + 1]."""
+    the evaluation windows [n, seq + 1]; `token_bytes` the UTF-8 bytes per token id, for bits per byte (None:
+    one byte per token)."""
 
     sample: Callable[[torch.Generator], torch.Tensor]
     held_out: torch.Tensor
+    token_bytes: object = None
 
 
 # -- built-in loss terms ------------------------------------------------------------------------------------------
@@ -146,14 +149,14 @@ def mtp_loss(b: Batch) -> torch.Tensor:
 
 # -- built-in data, optimiser ---------------------------------------------------------------------------------------
 @register_data("text")
-def text_source(d: Distill) -> Source:
-    """Random windows of byte-level text (the `data` files, or the Python standard library); evaluated on the
-    held-out `selection` set, which no reported figure uses (the best weights are chosen there)."""
+def text_source(d: Distill, tokenizer) -> Source:
+    """Random windows of the `data` (or the Python standard library) in the model's tokenization; evaluated on
+    the held-out `selection` set, which no reported figure uses (the best weights are chosen there)."""
     from ..data import held_out_windows, load_corpus, random_windows
 
-    corpus = load_corpus(list(d.data) or None)
+    corpus = load_corpus(list(d.data) or None, tokenizer=tokenizer)
     return Source(lambda g: random_windows(corpus.train, d.batch, d.seq + 1, g),
-                  held_out_windows(corpus, "selection", d.seq + 1, limit=d.eval_windows))
+                  held_out_windows(corpus, "selection", d.seq + 1, limit=d.eval_windows), corpus.token_bytes)
 
 
 @register_optimizer("adamw-cosine")
@@ -414,9 +417,9 @@ def _teacher_outputs(teacher_prog: Program, windows: torch.Tensor, compute: Comp
         yield rows, {"logits": got[name]}
 
 
-def _topk_of(teacher_prog, windows, compute, k) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+def _topk_of(teacher_prog, windows, compute, k, token_bytes=None) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """(top-k log-probabilities [n, T, k] float32, their indices int32, next-token cross-entropy sum in
-    nats, positions counted) of the teacher on `windows`."""
+    nats, UTF-8 bytes of the scored tokens) of the teacher on `windows`."""
     values, indices, ce, count = [], [], 0.0, 0
     for rows, got in _teacher_outputs(teacher_prog, windows, compute):
         v, ix = F.log_softmax(got["logits"].float(), -1).topk(k, dim=-1, sorted=True)
@@ -424,7 +427,7 @@ def _topk_of(teacher_prog, windows, compute, k) -> tuple[torch.Tensor, torch.Ten
         indices.append(ix.to(torch.int32).cpu())
         ids = windows[rows]
         ce += metrics.nll(got["logits"][:, :-1], ids[:, 1:]).sum().item()
-        count += ids[:, 1:].numel()
+        count += metrics.count_bytes(ids[:, 1:], token_bytes)
     return torch.cat(values), torch.cat(indices), ce, count
 
 
@@ -502,7 +505,7 @@ class TeacherStore:
             _save_atomic({"ids": ids.to(torch.int32), "values": v.reshape(shape), "indices": ix.reshape(shape)}, f)
         ev = path / "eval.safetensors"
         if rank == world - 1 and not cls._eval_matches(ev, source.held_out):
-            v, ix, ce, count = _topk_of(teacher_prog, source.held_out, compute, want["topk"])
+            v, ix, ce, count = _topk_of(teacher_prog, source.held_out, compute, want["topk"], source.token_bytes)
             _save_atomic({"ids": source.held_out.to(torch.int32), "values": v, "indices": ix}, ev,
                          {"teacher_bits_per_byte": repr(ce / count / metrics.LN2)})
         barrier(world)
@@ -598,7 +601,8 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
             raise PassError(f"distill: {state_dir} holds a {'ddp' if shard == 'fsdp' else 'fsdp'} run's checkpoint "
                             f"({other.name}); resume it with shard={'ddp' if shard == 'fsdp' else 'fsdp'}, or use a "
                             "new state directory")
-    source = _lookup(DATA, d.source, "data source", "source")(d)
+    check_shared(prog, teacher_prog)
+    source = _lookup(DATA, d.source, "data source", "source")(d, tokenizer_of(prog))
     schedule = _lookup(OPTIMIZERS, d.optimizer, "optimizer", "optimizer")(d)
     users = [_lookup(CALLBACKS, c, "callback", "callbacks")(d) for c in d.callbacks]
 
@@ -682,7 +686,8 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
     with warnings.catch_warnings():
         # FSDP2 warns of blocks returning views (their decode states): nothing here changes them in place
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        before = {**ev.measure(), "bits_per_byte": metrics.bits_per_byte(student, source.held_out)}
+        before = {**ev.measure(), "bits_per_byte": metrics.bits_per_byte(student, source.held_out,
+                                                                          token_bytes=source.token_bytes)}
         _reshard(student)
         ev.keep({"step": 0, **before})  # the starting point competes too: distillation must earn its keep
         try:
@@ -698,9 +703,9 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
         for name, t in full_state(student):  # whole tensors on every process: later passes run on each
             prog.weights.set(name, t.detach().clone().to("cpu", prog.weights.dtype(name)))
             prog.weights.spill_over(compute.budget // 4)  # past the budget, to scratch files as they come
-        after["bits_per_byte"] = metrics.bits_per_byte(student, source.held_out)
+        after["bits_per_byte"] = metrics.bits_per_byte(student, source.held_out, token_bytes=source.token_bytes)
         if teacher is not None:
-            teacher_bpb = metrics.bits_per_byte(teacher, source.held_out)
+            teacher_bpb = metrics.bits_per_byte(teacher, source.held_out, token_bytes=source.token_bytes)
         _reshard(student, teacher)
     return {"steps": run.step, "resumed_from": run.resumed_from, "stopped": run.stopped, "terms": terms,
             "before": before, "after": after, "teacher_bits_per_byte": teacher_bpb, "shard": shard,
@@ -774,7 +779,8 @@ class Distill(ComputePass):
                 state_dir = state_dir / f"round{rounds[0]}"
             state_dir.mkdir(parents=True, exist_ok=True)
         ins = getattr(am, "instrument", None)
-        report = distill(prog, teacher_program(self.teacher, am), self, state_dir, bool(ins and ins.progress),
+        settings = replace(self, data=pipeline_data(self.data, am))
+        report = distill(prog, teacher_program(self.teacher, am), settings, state_dir, bool(ins and ins.progress),
                          self.compute(am))
         am.reports.setdefault("distill", []).append(report)
         return Preserved.structure_only()

@@ -30,12 +30,14 @@ class PassManager:
     """Runs passes in order over one Program, sharing an AnalysisManager between them."""
 
     def __init__(self, passes: list[Pass] | str, instrument: Instrumentation | None = None, device: str = "auto",
-                 dtype: str = "auto", max_memory: str = ""):
+                 dtype: str = "auto", max_memory: str = "", data: list[str] | None = None):
         """`device` and `dtype`: where passes that compute run, unless a pass's own options say otherwise;
-        `max_memory`: their memory budget (puzzlekit.memory)."""
+        `max_memory`: their memory budget (puzzlekit.memory); `data`: the text of passes whose own `data=` is
+        empty (default: the standard library)."""
         self.passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
         self.instrument = instrument or Instrumentation()
         self.device, self.dtype, self.max_memory = device, dtype, max_memory
+        self.data = list(data or [])
 
     @property
     def pipeline(self) -> str:
@@ -44,7 +46,7 @@ class PassManager:
     def run(self, prog: Program, am: AnalysisManager | None = None) -> AnalysisManager:
         am = am or AnalysisManager(prog)
         am.instrument, am.manager = self.instrument, self
-        am.device, am.dtype, am.max_memory = self.device, self.dtype, self.max_memory
+        am.device, am.dtype, am.max_memory, am.data = self.device, self.dtype, self.max_memory, self.data
         self._run_list(self.passes, prog, am, [])
         return am
 

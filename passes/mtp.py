@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import ClassVar
 
-from .core import ComputePass, PassError, Preserved, register
+from .core import ComputePass, PassError, Preserved, pipeline_data, register
 from .distill import teacher_program
 
 
@@ -38,12 +38,16 @@ class MTPCheck(ComputePass):
     minimum: ClassVar[dict] = {"drafts": 1, "tolerance": 0.0, "prompts": 1, "prompt_len": 1, "new_tokens": 1}
 
     def run(self, prog, am):
-        from ..data import held_out_windows, load_corpus
+        from ..data import corpus_for, held_out_windows
+        from ..tokenizer import check_shared
 
-        prompts = held_out_windows(load_corpus(list(self.data) or None), "report", self.prompt_len, limit=self.prompts)
+        teacher = teacher_program(self.teacher, am)
+        check_shared(prog, teacher)
+        corpus = corpus_for(prog, pipeline_data(self.data, am) or None)
+        prompts = held_out_windows(corpus, "report", self.prompt_len, limit=self.prompts)
         compute = self.compute(am)
         ours = acceptance(prog, prompts, self.drafts, self.new_tokens, compute)
-        theirs = acceptance(teacher_program(self.teacher, am), prompts, self.drafts, self.new_tokens, compute)
+        theirs = acceptance(teacher, prompts, self.drafts, self.new_tokens, compute)
         floor = theirs * (1 - self.tolerance)
         am.reports.setdefault("mtp-check", []).append(
             {"acceptance": ours, "teacher_acceptance": theirs, "drafts": self.drafts, "floor": floor})

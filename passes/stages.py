@@ -32,8 +32,8 @@ class StageCheckpoints:
         if run.exists():
             old = json.loads(run.read_text())
             if old != {"model": model_hash}:
-                raise PassError(f"{self.root} holds the stages of a run on another model; rerun with the same model "
-                                "to resume, or use another output directory")
+                raise PassError(f"{self.root} holds the stages of a run on another model (or other data, or "
+                                "another tokenizer); rerun with the same ones to resume, or use another output directory")
         else:
             write_json(run, {"model": model_hash})
         done = [int(d.name) for d in self.root.iterdir() if d.name.isdigit() and (d / "stage.json").exists()]

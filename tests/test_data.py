@@ -70,12 +70,14 @@ def test_few_documents_fallback_sets_are_disjoint(tmp_path):
 def test_each_use_draws_from_its_own_set(tmp_path):
     from puzzlekit.passes.distill import Distill, text_source
     from puzzlekit.passes.puzzle.build import LibrarySettings, library_windows
+    from puzzlekit.tokenizer import BYTES
+    from puzzlekit.tools.default_model import load_default
 
     data = [str(tmp_path / "docs200")]
     corpus = _user(tmp_path, 200)
-    distill_eval = text_source(Distill(seq=64, eval_windows=3, data=data)).held_out
+    distill_eval = text_source(Distill(seq=64, eval_windows=3, data=data), BYTES).held_out
     assert torch.equal(distill_eval, held_out_windows(corpus, "selection", 65, 3))
-    _, scored = library_windows(LibrarySettings(seq=64, score_windows=3, calib_windows=1, data=data))
+    _, scored = library_windows(LibrarySettings(seq=64, score_windows=3, calib_windows=1, data=data), load_default())
     assert torch.equal(scored, held_out_windows(corpus, "scoring", 65, 3))
 
 

@@ -9,7 +9,7 @@ from puzzlekit import evaluate
 from puzzlekit.backends.torch import materialize, random_weights
 from puzzlekit.errors import PuzzlekitError
 from puzzlekit.data import (DataError, is_validation, random_windows, sequential_windows, stdlib_corpus, stdlib_files,
-                            user_corpus)
+                            load_corpus)
 from puzzlekit.tools.default_model import default_architecture
 
 
@@ -170,16 +170,16 @@ def test_user_corpus_files_dirs_jsonl(tmp_path):
     (tmp_path / "d" / "skip.bin").write_bytes(b"\x00" * 100)
     jl = tmp_path / "x.jsonl"
     jl.write_text('{"text": "hello"}\n\n{"text": "world"}\n')
-    c = user_corpus([tmp_path / "d", jl])
+    c = load_corpus([tmp_path / "d", jl])
     total = len(c.train) + len(c.valid)
     assert b"\x00" not in c.train.tobytes() + c.valid.tobytes()
     assert total > 30 * 200
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": 1}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:1: .*\"text\""):
-        user_corpus([bad])
+        load_corpus([bad])
     with pytest.raises(DataError, match="does not exist"):
-        user_corpus([tmp_path / "nope.txt"])
+        load_corpus([tmp_path / "nope.txt"])
 
 
 def test_windows():

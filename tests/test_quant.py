@@ -208,7 +208,7 @@ def test_activation_scales_are_calibrated_amax(base):
     h = m.get_submodule("backbone.layers.3.mixer.q_proj").register_forward_pre_hook(
         lambda mod, a: seen.append(a[0].abs().max()))
     with torch.no_grad():
-        for ids in calibration_windows([], 4, 64).split(4):
+        for ids in calibration_windows([], 4, 64, base).split(4):
             m(ids)
     h.remove()
     want = max(seen) / 448

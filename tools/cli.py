@@ -65,6 +65,19 @@ def add_compute_arguments(parser) -> None:
                              "a larger model is run layer by layer from its checkpoint")
 
 
+DATA_HELP = ("text files, directories, .jsonl (text, chat messages, or prompt/completion per line), .parquet, a "
+             "datasets directory (save_to_disk) or a hub dataset (owner/name[:split]); default: the Python stdlib")
+
+
+def add_text_arguments(parser, data: bool = True) -> None:
+    """`--tokenizer` (and `--data`) for a command that turns text into the model's token ids."""
+    parser.add_argument("--tokenizer", metavar="PATH", help="the model's tokenizer: a directory of tokenizer files or a "
+                                                            "hub id (default: the one beside the checkpoint; byte-level "
+                                                            "models use their byte codec)")
+    if data:
+        parser.add_argument("--data", nargs="*", help=DATA_HELP)
+
+
 def add_workload_arguments(parser, mtp: bool = True) -> None:
     """The workload a target is priced at, over the named --scenario (or a scenario .toml file): lengths, the
     per-user rate floor, GPUs, the parallel layout and (with `mtp`) speculative decoding with the MTP head."""
@@ -155,15 +168,26 @@ def _load_plugins(modules: list[str]) -> None:
             raise UsageError(f"cannot import plugin {m!r}: importing it raised {type(e).__name__}: {e}") from e
 
 
-def _model(args):
-    """The command's model, with the CPU threads chosen for its size (--threads overrides)."""
+def _model(args, text: bool = False):
+    """The command's model, with the CPU threads chosen for its size (--threads overrides) and the tokenizer
+    --tokenizer names; with `text` (the command reads or writes text) its tokenizer is checked now, before any
+    work: a subword model without one is refused."""
     from .. import ir
     from ..backends.torch.device import use_threads
+    from ..tokenizer import set_tokenizer, tokenizer_of
     from .default_model import model_path
 
     prog = ir.load(model_path(args.model))
+    set_tokenizer(prog, getattr(args, "tokenizer", None))
+    if text:
+        tokenizer_of(prog)
     use_threads(prog.param_counts()["total"], getattr(args, "threads", 0))
     return prog
+
+
+def reads_text(passes) -> bool:
+    """Whether a pipeline has a pass that runs the model on text (one with a `data` option), nested ones too."""
+    return any(hasattr(p, "data") or reads_text(getattr(p, "body", None) or []) for p in passes)
 
 
 # -- commands ----------------------------------------------------------------------------------------------
@@ -232,13 +256,13 @@ def _run(args) -> int:
     except PipelineSyntaxError as e:
         raise UsageError(str(e)) from None
     src = model_path(args.model).resolve()
+    prog = _model(args, text=reads_text(passes))
     need = sum(f.stat().st_size for f in src.glob("*.safetensors")) if src.is_dir() else 0  # about the output's
-    out = check_output(args.output, [src], args.overwrite, need)  # checked before the work, not after
-    prog = _model(args)
+    out = check_output(args.output, [src, *(args.data or [])], args.overwrite, need)  # before the work, not after
     ins = Instrumentation(verify_each=args.verify_each, print_ir_after=args.print_ir_after,
                           progress=not args.json and sys.stderr.isatty())
     before = prog.param_counts()
-    pm = PassManager(passes, ins, args.device, args.dtype, args.max_memory)
+    pm = PassManager(passes, ins, args.device, args.dtype, args.max_memory, data=args.data)
     am = pm.run(prog)
     if int(os.environ.get("RANK", "0")):  # a data-parallel process under torchrun: rank 0 writes the result
         return 0
@@ -273,10 +297,15 @@ def _train(args) -> int:
                          "(the same -o again resumes a run)")
     cfg = TrainConfig(steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
                       checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes)
-    m = train(Path(args.output), cfg, args.data, progress=not args.json, compute=compute)
+    tokenizer = None
+    if args.tokenizer:
+        from ..tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    m = train(Path(args.output), cfg, args.data, progress=not args.json, compute=compute, tokenizer=tokenizer)
     text = (f"step {m['step']}/{cfg.steps} in {m['train_seconds']:.0f} s\n"
             f"validation bits per byte {m['valid_bits_per_byte']:.3f} (unigram baseline "
-            f"{m['unigram_bits_per_byte']:.3f}) on {m['valid_bytes']:,} bytes\n"
+            f"{m['unigram_bits_per_byte']:.3f}) on {m['valid_bytes']:,} bytes ({m['valid_tokens']:,} tokens)\n"
             f"MTP top-1 accuracy {m['mtp_top1_accuracy']:.3f}\nwrote {Path(args.output) / 'model'}\n")
     _emit(args, m, text)
     return 0
@@ -285,29 +314,38 @@ def _train(args) -> int:
 def _eval(args) -> int:
     from .. import evaluate, ir
     from ..backends.torch.stream import StreamedProgram
-    from ..data import held_out_windows, load_corpus
+    from ..data import corpus_for, held_out_windows
+    from ..tokenizer import check_shared, set_tokenizer, vocab_of
     from .default_model import model_path
 
     compute = compute_of(args)
     if args.k > args.new_tokens:
         raise UsageError(f"--k {args.k} drafts more tokens per step than --new-tokens {args.new_tokens} generates")
-    corpus = load_corpus(args.data)
+    prog = ir.verify(_model(args, text=True))
+    teacher = None
+    if args.teacher:  # before any work: the two must share a tokenizer
+        teacher = ir.verify(ir.load(model_path(args.teacher)))
+        set_tokenizer(teacher, args.tokenizer)
+        check_shared(prog, teacher)
+    corpus = corpus_for(prog, args.data, progress=not args.json)
     windows = held_out_windows(corpus, "report", args.seq + 1, limit=args.windows)
     if len(windows) < args.prompts:
         raise UsageError(f"--prompts {args.prompts} needs as many held-out windows; there are {len(windows)} "
-                         f"(--windows {args.windows}, {len(corpus.held_out('report')):,} bytes in the report set)")
-    model = StreamedProgram(ir.verify(_model(args)), compute)
-    res = {"model": str(model_path(args.model)), "compute": str(compute), "valid_bytes": int(windows[:, 1:].numel()),
-           "bits_per_byte": evaluate.bits_per_byte(model, windows),
-           "unigram_bits_per_byte": evaluate.unigram_bits_per_byte(corpus.train, windows)}
+                         f"(--windows {args.windows}, {len(corpus.held_out('report')):,} tokens in the report set)")
+    model = StreamedProgram(prog, compute)
+    text = evaluate.text_metrics(model, windows, corpus.token_bytes)
+    res = {"model": str(model_path(args.model)), "compute": str(compute), "tokenizer": corpus.tokenizer.name,
+           "valid_bytes": text["bytes"], "valid_tokens": text["tokens"], "bits_per_byte": text["bits_per_byte"],
+           "nll_per_token": text["nll_per_token"], "perplexity": text["perplexity"],
+           "unigram_bits_per_byte": evaluate.unigram_bits_per_byte(corpus.train, windows, vocab_of(prog),
+                                                                   corpus.token_bytes)}
     if model.program.find("mtp"):
         res["mtp_top1_accuracy"] = evaluate.mtp_accuracy(model, windows)
         prompts = windows[: args.prompts, : args.seq // 2]
         res["acceptance_length"] = evaluate.acceptance_length(model, prompts, args.k, args.new_tokens)
         res["draft_tokens"] = args.k
-    if args.teacher:
-        teacher = StreamedProgram(ir.verify(ir.load(model_path(args.teacher))), compute)
-        res.update(evaluate.teacher_agreement(teacher, model, windows))
+    if teacher is not None:
+        res.update(evaluate.teacher_agreement(StreamedProgram(teacher, compute), model, windows))
     lines = [f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in res.items()]
     _emit(args, res, "\n".join(lines) + "\n")
     return 0
@@ -413,7 +451,7 @@ def _build_engine(args) -> int:
     compute_of(args)
     check_output(args.output, [src], args.overwrite)  # before the work, not after
     target, scenario = get_target(args.target), get_scenario(args.scenario)
-    prog = ir.verify(_model(args))
+    prog = ir.verify(_model(args, text=True))
     if formats(prog) and args.recipe:
         raise UsageError(f"{src} is already quantized ({', '.join(sorted(formats(prog)))}); drop --recipe, or "
                          "start from the unquantized model")
@@ -421,13 +459,13 @@ def _build_engine(args) -> int:
     if recipe and recipe != "bf16":
         check_fp4({r.format for r in get_recipe(recipe).rules}, target, f"recipe {recipe!r} uses")
         PassManager(f"quantize{{recipe={recipe},samples={args.calib_samples},target={target.name}}}",
-                    device=args.device, dtype=args.dtype, max_memory=args.max_memory).run(prog)
+                    device=args.device, dtype=args.dtype, max_memory=args.max_memory, data=args.data).run(prog)
     check_fp4(formats(prog), target)
     calib = None
     if scenario.kv_dtype == "fp8":  # KV-cache scales from text windows, as the quantize pass calibrates
         from ..passes.quant import calibration_windows
 
-        calib = calibration_windows([], args.calib_samples, 128, prog)
+        calib = calibration_windows(args.data or [], args.calib_samples, 128, prog)
     rep = write_bundle(prog, args.output, target, scenario, build=args.build, overwrite=args.overwrite,
                        provenance={"input": str(src), "recipe": recipe or "as quantized", "versions": _versions()},
                        calibration_ids=calib)
@@ -444,9 +482,10 @@ def _build_engine(args) -> int:
     return 0
 
 
-def _greedy(prefill, decode, n: int, logits_of, model=None):
-    """`n` greedy tokens [batch, n] from `prefill()` and `decode(tokens, state)`, which return (outputs, state).
-    Non-finite logits stop it naming the likely cause, rather than decoding NaN as byte 0."""
+def _greedy(prefill, decode, n: int, logits_of, model=None, stop: int | None = None):
+    """Up to `n` greedy tokens [batch, <= n] from `prefill()` and `decode(tokens, state)`, which return (outputs,
+    state); it ends early once every row has produced `stop` (EOS), as transformers' generate does. Non-finite
+    logits stop it naming the likely cause, rather than decoding NaN as token 0."""
     import numpy as np
 
     from ..evaluate import check_finite
@@ -457,6 +496,10 @@ def _greedy(prefill, decode, n: int, logits_of, model=None):
         where = "prefill" if i == 0 else f"decode step {i}"
         logits = check_finite(np.asarray(logits_of(outs))[:, -1], f"logits at {where}", model)
         new.append(logits.argmax(-1))
+        if stop is not None:
+            done = np.any(np.stack(new, axis=1) == stop, axis=1)
+            if done.all():
+                break
         if i + 1 < n:
             outs, state = decode(new[-1], state)
     return np.stack(new, axis=1)
@@ -481,14 +524,15 @@ def _generate(args) -> int:
 
     from .. import ir
     from ..backends.torch import materialize
+    from ..tokenizer import prompt_ids, tokenizer_of
 
     compute = compute_of(args)
-    prog = ir.verify(_model(args))
-    vocab = prog.find("embed")[0].op.vocab
-    if vocab != 256:
-        raise UsageError(f"generate encodes the prompt as bytes: it needs a byte-level model (vocab 256, not {vocab})")
-    prompt = np.frombuffer(args.prompt.encode(), dtype=np.uint8).astype(np.int64)[None]
-    if prompt.size == 0:
+    prog = ir.verify(_model(args, text=True))
+    tok = tokenizer_of(prog)
+    text = tok.render_chat([{"role": "user", "content": args.prompt}], generation_prompt=True) if args.chat \
+        else args.prompt
+    prompt = prompt_ids(tok, text)[None]
+    if not args.prompt or prompt.size == 0:
         raise UsageError("the prompt is empty")
     if args.backend == "onnx":
         from ..backends.onnx import OnnxModel
@@ -499,17 +543,18 @@ def _generate(args) -> int:
                              "kernels (its FP4 ops are TensorRT's); use --backend torch, or build engines for an FP4 "
                              "GPU with build-engine")
         om = OnnxModel(_cached_onnx(prog))
-        new = _greedy(lambda: om.prefill(prompt), om.decode, args.max_new_tokens, lambda outs: outs["logits"])
+        new = _greedy(lambda: om.prefill(prompt), om.decode, args.max_new_tokens, lambda outs: outs["logits"],
+                      stop=tok.eos_id)
     else:
         m = materialize(prog, compute=compute)
         with torch.no_grad():
             new = _greedy(lambda: m.prefill(torch.from_numpy(prompt)),
-                          lambda tok, state: m.decode(torch.from_numpy(tok), state), args.max_new_tokens,
-                          lambda outs: outs[0].float().cpu().numpy(), m)
-    tokens = np.concatenate([prompt, new], axis=1)
-    text = bytes(new[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
-    _emit(args, {"prompt": args.prompt, "completion": text, "tokens": tokens[0].tolist(), "backend": args.backend},
-          args.prompt + text + "\n")
+                          lambda t, state: m.decode(torch.from_numpy(t), state), args.max_new_tokens,
+                          lambda outs: outs[0].float().cpu().numpy(), m, stop=tok.eos_id)
+    completion = tok.decode(new[0])
+    _emit(args, {"prompt": args.prompt, "completion": completion, "tokens": np.concatenate([prompt, new], 1)[0].tolist(),
+                 "new_tokens": new[0].tolist(), "backend": args.backend, "tokenizer": tok.name},
+          text + completion + "\n")
     return 0
 
 
@@ -537,9 +582,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--extended", action="store_true", help=EXTENDED_HELP)
     r.set_defaults(run=_run)
 
-    t = sub.add_parser("train", help="train the default hybrid architecture on byte-level text (resumable)")
+    t = sub.add_parser("train", help="train the default hybrid architecture on text (resumable): byte-level, or in "
+                                     "the vocabulary of --tokenizer")
     t.add_argument("--output", "-o", required=True, help="run directory (re-run the same command to resume)")
-    t.add_argument("--data", nargs="*", help="text files, directories or .jsonl (default: the Python stdlib)")
     t.add_argument("--steps", type=positive_int, default=1200)
     t.add_argument("--batch", type=positive_int, default=16)
     t.add_argument("--seq", type=_number(int, 2), default=256, help="window length (>= 2: the MTP head needs two)")
@@ -549,10 +594,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--max-minutes", type=nonneg_float, default=0.0, help="stop and save after this long (0: no limit)")
     t.set_defaults(run=_train)
 
-    e = sub.add_parser("eval", help="bits per byte, MTP accuracy, speculative acceptance, teacher agreement")
+    e = sub.add_parser("eval", help="bits per byte, NLL per token, MTP accuracy, speculative acceptance, teacher "
+                                    "agreement")
     e.add_argument("model", nargs="?", help=model_help)
     e.add_argument("--teacher", help="a second model: report KL(teacher || model) and top-1 agreement")
-    e.add_argument("--data", nargs="*", help="text files, directories or .jsonl (default: the Python stdlib)")
     e.add_argument("--windows", type=positive_int, default=64, help="held-out windows to score (at most)")
     e.add_argument("--seq", type=_number(int, 2), default=256, help="window length (>= 2)")
     e.add_argument("--k", type=token_count, default=3, help="tokens drafted per step by the MTP head")
@@ -594,9 +639,11 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     be.set_defaults(run=_build_engine)
 
-    g = sub.add_parser("generate", help="greedy generation from a text prompt (byte-level models)")
+    g = sub.add_parser("generate", help="greedy generation from a text prompt, in the model's own tokenization")
     g.add_argument("model", nargs="?", help=model_help)
     g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user message through the tokenizer's chat "
+                                                       "template (with the assistant's turn opened)")
     g.add_argument("--max-new-tokens", type=token_count, default=64, help=f"at most {MAX_TOKENS:,}")
     g.add_argument("--backend", choices=["torch", "onnx"], default="torch")
     g.set_defaults(run=_generate)
@@ -607,6 +654,9 @@ def parser() -> argparse.ArgumentParser:
 
     for cmd in (r, t, e, c, be, g, lb, cp):
         add_compute_arguments(cmd)
+    for cmd in (r, t, e, be, g, cp):
+        add_text_arguments(cmd, data=cmd is not g)
+    add_text_arguments(lb, data=False)  # library has its own --data
     for cmd in (s, r):
         cmd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                          help="import MODULE (a module name or a path to a .py file) first; it may register "

@@ -138,10 +138,35 @@ def compress(args, progress: bool = True) -> dict:
     src = model_path(args.model).resolve()
     if out.resolve() == src or src in out.resolve().parents or out.resolve() in src.parents:
         raise PuzzlekitError(f"-o {out} would write into or around the input model {src}; choose another directory")
+    parent = _parent(args, src)
     library = Path(args.library) if args.library else out / "library"
     args.scenario = _workload(args, out)
     with _pinned_cost_table(args, out):
-        return _run(args, out, src, library, progress)
+        return _run(args, out, parent, library, progress)
+
+
+def _parent(args, src: Path):
+    """The model to compress, with its tokenizer (refused before any work when a subword model has none) and
+    the data checked to read."""
+    from .. import ir
+    from ..data import corpus_for
+    from ..tokenizer import set_tokenizer
+
+    parent = ir.load(src)
+    set_tokenizer(parent, args.tokenizer)
+    corpus_for(parent, args.data, progress=not args.json)  # tokenized once here (and cached): every stage reads it
+    return parent
+
+
+def _run_key(parent, args) -> str:
+    """What the stage checkpoints belong to: the parent's weights, and the text it is compressed on."""
+    from ..documents import fingerprint
+    from ..passes.puzzle.library import parent_hash
+    from ..tokenizer import BYTES, tokenizer_of
+
+    tok = tokenizer_of(parent)
+    key = parent_hash(parent)
+    return key if tok is BYTES and not args.data else f"{key}|{tok.identity}|{fingerprint(args.data or [])}"
 
 
 def _workload(args, out: Path) -> str:
@@ -158,28 +183,27 @@ def _workload(args, out: Path) -> str:
     return str(out / "scenario.toml")
 
 
-def _run(args, out: Path, src: Path, library: Path, progress: bool) -> dict:
+def _run(args, out: Path, parent, library: Path, progress: bool) -> dict:
     from .. import ir
     from ..backends.cost import CostModel, get_scenario
     from ..backends.torch.device import use_threads
     from ..errors import read_text
     from ..passes import Instrumentation, PassManager, parse_pipeline, print_pipeline, resolve_pipeline
     from ..passes.pipeline import PIPELINES_DIR
-    from ..passes.puzzle.library import parent_hash
     from ..passes.stages import StageCheckpoints
 
     template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
     text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
     passes = parse_pipeline(resolve_pipeline(text))
-    parent = ir.load(src)
+    src = Path(parent.meta["source"])
     use_threads(parent.param_counts()["total"], args.threads)
     CostModel(parent, args.target, get_scenario(args.scenario)).check_priceable(args.context)
     out.mkdir(parents=True, exist_ok=True)  # once the options make a pipeline the target can price
     prog = parent.copy()
-    stages = StageCheckpoints(out / "work" / "stages", parent_hash(parent))
+    stages = StageCheckpoints(out / "work" / "stages", _run_key(parent, args))
     ins = Instrumentation(progress=progress, stages=stages, log=not args.json)
     t0 = time.perf_counter()
-    am = PassManager(passes, ins, args.device, args.dtype, args.max_memory).run(prog)
+    am = PassManager(passes, ins, args.device, args.dtype, args.max_memory, data=args.data).run(prog)
     clock = {"pipeline": time.perf_counter() - t0, **{label: s for label, s in ins.timings}}
     summary = {"pipeline": print_pipeline(passes), "resumed_at_pass": stages.resume_at, "passes": stages.count,
                "reports": am.reports, "seconds": clock, "model": str(src), "target": args.target,
@@ -230,14 +254,15 @@ def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
 
 def quality(parent, child, args) -> dict:
     """Parent and delivered child on the report set (data.HELD_OUT: text no stage of the run chose anything
-    on): KL and top-1 agreement to the parent, bits per byte, MTP acceptance length; and which windows."""
+    on): KL and top-1 agreement to the parent, bits per byte and NLL per token, MTP acceptance length; and
+    which windows."""
     from ..backends.torch.stream import StreamedProgram
-    from ..data import held_out_windows, load_corpus
-    from ..evaluate import acceptance_length, bits_per_byte, teacher_agreement
+    from ..data import corpus_for, held_out_windows
+    from ..evaluate import acceptance_length, teacher_agreement, text_metrics
     from .cli import compute_of
 
     n, prompts, new_tokens = (QUICK if args.quick else FULL)["report"]
-    corpus = load_corpus(None)
+    corpus = corpus_for(parent, args.data)
     windows = held_out_windows(corpus, "report", REPORT_SEQ + 1, limit=n)
     starts = held_out_windows(corpus, "report", PROMPT_LEN, limit=prompts)
     compute = compute_of(args)
@@ -246,7 +271,8 @@ def quality(parent, child, args) -> dict:
     for name, m in models.items():  # the parent against itself agrees exactly: not run twice more to say so
         agreement = teacher_agreement(models["parent"], m, windows) if name == "child" else \
             {"kl": 0.0, "top1_agreement": 1.0}
-        out[name] = {**agreement, "bits_per_byte": bits_per_byte(m, windows),
+        text = text_metrics(m, windows, corpus.token_bytes)
+        out[name] = {**agreement, "bits_per_byte": text["bits_per_byte"], "nll_per_token": text["nll_per_token"],
                      "mtp_acceptance": acceptance_length(m, starts, 3, new_tokens) if m.program.find("mtp") else None}
     return out
 

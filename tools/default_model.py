@@ -36,10 +36,12 @@ def config_path(name: str) -> Path:
 
 def model_path(model: str | None) -> Path:
     """What a command's MODEL argument names: the built-in model (none or `default`), a shipped config's
-    name, or a path."""
+    name, a path, or a hub id (`owner/name`, from the local hub cache or downloaded; see hub.py)."""
     if model in (None, "", "default"):
         return DEFAULT_MODEL
     if "/" not in model and not Path(model).exists() and config_path(model).is_file():
         return config_path(model)
-    return Path(model)
+    from ..hub import resolve
+
+    return resolve(model, "model")
 

@@ -35,7 +35,7 @@ def run_library(args) -> int:
     from .cli import _emit, _model, compute_of
 
     compute = compute_of(args)
-    prog = _model(args)
+    prog = _model(args, text=True)
     settings = LibrarySettings(calib_windows=args.calib_windows, score_windows=args.score_windows, seq=args.seq,
                                bld_tokens=args.bld_tokens, bld_lr=args.bld_lr, data=list(args.data or []))
     start = time.monotonic()
@@ -61,7 +61,8 @@ def add_parser(sub, model_help: str, positive_int, positive_float):
     p.add_argument("--calib-windows", type=positive_int, default=64, help="calibration windows (importance, BLD)")
     p.add_argument("--score-windows", type=positive_int, default=16, help="held-out windows for scoring")
     p.add_argument("--seq", type=positive_int, default=256, help="tokens per window")
-    p.add_argument("--data", nargs="*", help="text files, directories or .jsonl (default: the Python stdlib)")
+    p.add_argument("--data", nargs="*", help="text files, directories, .jsonl, .parquet, a datasets directory or a hub "
+                                             "dataset (default: the Python stdlib)")
     p.set_defaults(run=run_library)
     return p
 

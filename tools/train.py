@@ -1,4 +1,5 @@
-"""`puzzlekit train`: trains the default hybrid architecture on byte-level text, resumably.
+"""`puzzlekit train`: trains the default hybrid architecture on text, resumably: byte-level, or in the
+vocabulary of a tokenizer (which the model then carries).
 
 The run directory holds `train_state.pt` (model, optimiser, data RNG, step; written atomically every
 `checkpoint_every` steps), `model/` (the final checkpoint) and `metrics.json`. Re-running the same
@@ -18,6 +19,7 @@ from .. import evaluate, ir
 from ..backends.torch import materialize, random_weights
 from ..backends.torch.device import CPU, Compute
 from ..data import held_out_windows, load_corpus, random_windows
+from ..tokenizer import BYTES
 from ..errors import PuzzlekitError
 from ..training import Schedule, fit
 from .default_model import default_architecture
@@ -57,7 +59,7 @@ class TrainConfig:
 
 
 def loss_fn(model, ids: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, dict]:
-    """Next-byte cross-entropy of the trunk plus `mtp_weight` times the MTP head's (from position 1), in
+    """Next-token cross-entropy of the trunk plus `mtp_weight` times the MTP head's (from position 1), in
     float32 whatever the forward's precision."""
     x, y = ids[:, :-1], ids[:, 1:].to(model.compute.device)
     logits, mtp = model(x)
@@ -66,31 +68,37 @@ def loss_fn(model, ids: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, 
 
 
 def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: bool = True,
-          compute: Compute = CPU) -> dict:
+          compute: Compute = CPU, tokenizer=BYTES) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state_file = out / "train_state.pt"
-    corpus = load_corpus(data)
-    prog = random_weights(default_architecture(), seed=cfg.seed)
+    tokenizer = tokenizer or BYTES
+    corpus = load_corpus(data, tokenizer=tokenizer, progress=progress)
+    prog = random_weights(default_architecture(vocab=tokenizer.vocab_size), seed=cfg.seed)
+    if tokenizer is not BYTES:
+        prog.meta["tokenizer"] = str(tokenizer.directory.resolve())
     model = materialize(prog, compute=compute)
     gen = torch.Generator().manual_seed(cfg.seed)
     schedule = Schedule(cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio, cfg.weight_decay)
     run = fit(model, lambda step: loss_fn(model, random_windows(corpus.train, cfg.batch, cfg.seq + 1, gen),
                                           cfg.mtp_weight),
               schedule, rng=gen, state_file=state_file, every=cfg.checkpoint_every,
-              identity={**cfg.identity(), "data": data or []}, progress=progress, max_seconds=cfg.max_minutes * 60,
+              identity={**cfg.identity(), "data": data or [],
+                                **({"tokenizer": tokenizer.identity} if tokenizer is not BYTES else {})}, progress=progress, max_seconds=cfg.max_minutes * 60,
               postfix=lambda p: {"bpb": f"{p['loss'] / evaluate.LN2:.3f}", "mtp": f"{p['mtp_loss'] / evaluate.LN2:.3f}"})
     step, resumed_from = run.step, run.resumed_from
     model.eval()
     for name, t in model.state_dict().items():
         prog.weights.set(name, t.detach().clone().cpu())
     windows = held_out_windows(corpus, "selection", cfg.seq + 1, limit=cfg.eval_windows)
+    text = evaluate.text_metrics(model, windows, corpus.token_bytes)
     metrics = {
         "step": step, "resumed_from": resumed_from, "finished": run.finished, "train_seconds": round(run.seconds, 1),
-        "valid_bits_per_byte": evaluate.bits_per_byte(model, windows),
-        "unigram_bits_per_byte": evaluate.unigram_bits_per_byte(corpus.train, windows),
+        "valid_bits_per_byte": text["bits_per_byte"], "valid_nll_per_token": text["nll_per_token"],
+        "unigram_bits_per_byte": evaluate.unigram_bits_per_byte(corpus.train, windows, tokenizer.vocab_size,
+                                                                corpus.token_bytes),
         "mtp_top1_accuracy": evaluate.mtp_accuracy(model, windows),
-        "valid_bytes": int(windows[:, 1:].numel()), "config": asdict(cfg),
+        "valid_bytes": text["bytes"], "valid_tokens": text["tokens"], "config": asdict(cfg),
     }
     prog.meta["provenance"] = {"training": metrics}
     ir.save(prog, out / "model", overwrite=True)

@@ -28,6 +28,7 @@ import onnx
 
 from ...errors import PuzzlekitError
 from ...ir import Program
+from ...ir.companions import copy_companions
 from ...outputs import check_output, staged_dir
 from ..cost import Scenario, cost
 from ..onnx import DECODE, PREFILL, export_onnx
@@ -350,6 +351,7 @@ def write_bundle(prog: Program, out, target: Target, scenario: Scenario, build: 
         onnx_dir.rmdir()
         if scenario.kv_dtype == "fp8":
             _fp8_kv_cache(prog, tmp, calibration_ids)
+        tokenizer_files = copy_companions(prog, tmp)  # the runtime tokenizes and stops at EOS as the parent did
         profiles = plan_profiles(_inputs(tmp / PREFILL), _inputs(tmp / DECODE), engine_batch, scenario.input_len,
                                  scenario.context_len)
         spec = {
@@ -367,7 +369,7 @@ def write_bundle(prog: Program, out, target: Target, scenario: Scenario, build: 
                         "tiling_optimization_level": BUILDER["tiling_optimization_level"],
                         "workspace_bytes": int(min(target.memory_bytes * BUILDER["workspace_fraction"], 2**36)),
                         "timing_cache": BUILDER["timing_cache"], "strongly_typed": True},
-            "outputs": outputs,
+            "outputs": outputs, "tokenizer_files": tokenizer_files,
             "engines": [{"name": "prefill", "onnx": PREFILL, "engine": "prefill.engine", "profiles": profiles["prefill"]},
                         {"name": "decode", "onnx": DECODE, "engine": "decode.engine", "profiles": profiles["decode"]}],
             "validation": {"golden": "golden.npz", "tolerance": TOLERANCE[prec], "argmax_agreement": 0.9,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from ..core import ComputePass, PassError, Preserved, register
+from ..core import ComputePass, PassError, Preserved, pipeline_data, register
 from .build import LibrarySettings, build_library, library_windows
 from .grid import DEFAULT_GRID, GridError, Variant, load_grid, variants
 from .importance import compute_importance
@@ -23,7 +23,7 @@ class Importance(ComputePass):
     minimum = {"samples": 1, "seq": 1}
 
     def run(self, prog, am):
-        imp = am.get("importance", samples=self.samples, seq=self.seq, data=tuple(self.data),
+        imp = am.get("importance", samples=self.samples, seq=self.seq, data=tuple(pipeline_data(self.data, am)),
                      device=str(self.compute(am).device))
         am.reports["importance"] = {"layers": len(imp["layers"]), "tokens": imp["tokens"]}
         return Preserved.all()
@@ -47,10 +47,10 @@ class BuildLibrary(ComputePass):
         if not self.out:
             raise PassError("pass 'library' needs out=DIR, the library directory")
         s = LibrarySettings(calib_windows=self.calib_windows, score_windows=self.score_windows, seq=self.seq,
-                            bld_tokens=self.bld_tokens, bld_lr=self.bld_lr, data=list(self.data))
+                            bld_tokens=self.bld_tokens, bld_lr=self.bld_lr, data=pipeline_data(self.data, am))
         compute = self.compute(am)
         known = None if prog.is_meta else am.get("importance", samples=self.calib_windows, seq=self.seq,
-                                                   data=tuple(self.data), device=str(compute.device))
+                                                   data=tuple(s.data), device=str(compute.device))
         lib = build_library(prog, self.out, self.grid or None, s, importance=known, compute=compute)
         am.reports["library"] = {"path": str(lib.path), "variants": len(lib.rows)}
         return Preserved.all()
@@ -102,7 +102,7 @@ class Puzzle(ComputePass):
             compute = self.compute(am)
             ranks = am.get("importance", samples=st.calib_windows, seq=st.seq, data=tuple(st.data),
                            device=str(compute.device))["layers"]
-            calib, windows = library_windows(st)  # the library's own: calibration, and its scoring set
+            calib, windows = library_windows(st, prog)  # the library's own: calibration, and its scoring set
             scores, made = rescore(lib, prog, ranks, windows, calib, compute)
         search = Search(lib, parent, [(t, self.scenario) for t in self.target], self.recipe, self.metric, c,
                         scores=scores, fraction=i / n, schedule=self.schedule, engine=self.engine)

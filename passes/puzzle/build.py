@@ -133,12 +133,13 @@ class LayerInputs:
         return load_file(str(self.dir / f"L{layer:03d}.safetensors"))["x"].to(self.device)
 
 
-def library_windows(s: LibrarySettings) -> tuple[torch.Tensor, torch.Tensor]:
+def library_windows(s: LibrarySettings, prog: Program) -> tuple[torch.Tensor, torch.Tensor]:
     """(calibration windows [n, seq] from the training split, windows [m, seq + 1] of the held-out set the
-    scores are measured on: the search minimises them, so no reported figure may use that text)."""
-    from ...data import held_out_windows, load_corpus, sequential_windows
+    scores are measured on: the search minimises them, so no reported figure may use that text), in the
+    program's own tokenization."""
+    from ...data import corpus_for, held_out_windows, sequential_windows
 
-    corpus = load_corpus(s.data or None)
+    corpus = corpus_for(prog, s.data or None)
     return (sequential_windows(corpus.train, s.seq, limit=s.calib_windows),
             held_out_windows(corpus, SCORED_ON, s.seq + 1, limit=s.score_windows))
 
@@ -147,7 +148,7 @@ def _sweep_parent(prog: Program, out: Path, s: LibrarySettings, known: dict | No
     """One layer-by-layer pass of the parent over each split: every layer's inputs to disk. The calibration
     pass runs in float32 and gathers the importance statistics on the way (unless known, or already written);
     the held-out pass runs in the compute precision, as the scorer does."""
-    calib, held_out = library_windows(s)
+    calib, held_out = library_windows(s, prog)
     blocks = prog.blocks()
     layer_of = {b.args[0]: i for i, b in enumerate(blocks)} | {blocks[-1].name: len(blocks)}
     f = out / "importance.json"
@@ -168,7 +169,7 @@ def _sweep_parent(prog: Program, out: Path, s: LibrarySettings, known: dict | No
 
 def _build_rows(prog: Program, out: Path, s: LibrarySettings, todo: list, progress: bool, compute: Compute) -> None:
     clock = Stopwatch()
-    _, held_out = library_windows(s)
+    _, held_out = library_windows(s, prog)
     ranks = json.loads((out / "importance.json").read_text())["layers"]
     train, valid = LayerInputs(out, "train", compute.device), LayerInputs(out, "valid", compute.device)
     scorer = Scorer(StreamedProgram(prog, compute, dtype=torch.float32), held_out, valid)

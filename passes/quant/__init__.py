@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from ..core import ComputePass, PassError, Preserved, register
+from ..core import ComputePass, PassError, Preserved, pipeline_data, register
 from ..manager import progress
 from .calibrate import ActivationAmax, input_scale, quantize_weight
 from .export import quantize_checkpoint
@@ -38,14 +38,12 @@ class Calib(enum.Enum):
     mse = "mse"
 
 
-def calibration_windows(data: list[str], samples: int, seq: int, prog=None) -> torch.Tensor:
-    """Byte-level windows from the training split (evaluation scores the held-out split)."""
-    from ...data import load_corpus, sequential_windows
+def calibration_windows(data: list[str], samples: int, seq: int, prog) -> torch.Tensor:
+    """`samples` windows of `seq` tokens (in the program's own tokenization) from the training split:
+    evaluation scores the held-out split."""
+    from ...data import corpus_for, sequential_windows
 
-    if prog is not None and prog.find("embed") and prog.find("embed")[0].op.vocab < 256:
-        raise PassError(f"calibration text is byte-level (256 symbols) but this model's vocabulary is "
-                        f"{prog.find('embed')[0].op.vocab}")
-    return sequential_windows(load_corpus(data or None).train, seq, limit=samples)
+    return sequential_windows(corpus_for(prog, data or None).train, seq, limit=samples)
 
 
 @register("quantize")
@@ -54,7 +52,7 @@ class Quantize(ComputePass):
 
     recipe: str = "fp8"
     calib: Calib = Calib.amax
-    samples: int = 16  # calibration windows
+    samples: int = 16  # calibration windows (of `seq` tokens each: 2,048 tokens by default)
     seq: int = 128  # tokens per window
     target: str = ""  # refuse a recipe this GPU cannot run (e.g. W4A4 NVFP4 on h100)
     data: list[str] = field(default_factory=list)  # calibration text (default: the Python stdlib)
@@ -72,7 +70,7 @@ class Quantize(ComputePass):
             return Preserved.all()
         if prog.is_meta:
             raise PassError("quantize needs real weights; this program has meta tensors only")
-        windows = calibration_windows(self.data, self.samples, self.seq, prog)
+        windows = calibration_windows(pipeline_data(self.data, am), self.samples, self.seq, prog)
         compute = self.compute(am)  # calibration and the report's KL, layer by layer within the memory budget
         teacher = StreamedProgram(prog.copy(), compute)  # the weights as they were (shared, not copied)
         act_modules = [f"{path}.{local.rsplit('.', 1)[0]}" for path, params in plan.items()
