@@ -186,9 +186,11 @@ _CORPORA: dict[tuple, Corpus] = {}
 
 
 def load_corpus(paths: list[str] | None = None, limit_bytes: int | None = None, tokenizer=BYTES,
-                progress: bool = False) -> Corpus:
+                progress: bool | None = None) -> Corpus:
     """The corpus of `paths` (default: the standard library, up to `limit_bytes` of it) in `tokenizer`'s ids,
-    made once per process (and, for a subword tokenizer, once per machine: see the module's docstring)."""
+    made once per process (and, for a subword tokenizer, once per machine: see the module's docstring). A
+    progress bar while tokenizing: `progress`, or by default when stderr is a terminal."""
+    progress = sys.stderr.isatty() if progress is None else progress
     paths = [str(p) for p in paths or []]
     key = (tokenizer.identity, fingerprint(paths) if paths else None, limit_bytes)
     if key not in _CORPORA:
@@ -207,7 +209,7 @@ def stdlib_corpus(limit_bytes: int | None = None) -> Corpus:
     return load_corpus(None, limit_bytes)
 
 
-def corpus_for(prog, paths: list[str] | None = None, progress: bool = False) -> Corpus:
+def corpus_for(prog, paths: list[str] | None = None, progress: bool | None = None) -> Corpus:
     """`load_corpus` in the program's own tokenization (tokenizer.tokenizer_of: refused for a subword model
     without a tokenizer, before any text is read)."""
     from .tokenizer import tokenizer_of

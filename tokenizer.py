@@ -46,6 +46,9 @@ class ByteCodec:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def prompt(self, text: str) -> np.ndarray:
+        return self.encode(text).astype(np.int64)
+
     def render_chat(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return plain_chat(messages, generation_prompt)
 
@@ -118,6 +121,14 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def _bos_for(self, text: str) -> list[int]:
+        """The BOS the tokenizer adds, unless the text (a rendered chat) already starts with it."""
+        return [self.bos_id] if self.bos_id is not None and not text.startswith(self.tok.bos_token) else []
+
+    def prompt(self, text: str) -> np.ndarray:
+        """A prompt's ids as transformers' tokenizer call gives them: BOS (see _bos_for), the text, no EOS."""
+        return np.asarray(self._bos_for(text) + self.encode_batch([text])[0], dtype=np.int64)
+
     def render_chat(self, messages: list[dict], generation_prompt: bool = False) -> str:
         if not getattr(self.tok, "chat_template", None):
             return plain_chat(messages, generation_prompt)
@@ -126,8 +137,7 @@ class HFTokenizer:
     def document(self, ids: list[int], text: str) -> list[int]:
         """A document's ids as it is joined: the BOS the tokenizer adds (unless the text already starts with
         it, as a chat template's does), then the text, then EOS."""
-        head = [self.bos_id] if self.bos_id is not None and not text.startswith(self.tok.bos_token) else []
-        return head + list(ids) + ([self.eos_id] if self.eos_id is not None else [])
+        return self._bos_for(text) + list(ids) + ([self.eos_id] if self.eos_id is not None else [])
 
     @cached_property
     def token_bytes(self) -> np.ndarray:
@@ -212,11 +222,3 @@ def check_shared(student, teacher, what: str = "the teacher") -> None:
                              "different text, so KL and agreement would compare unrelated tokens; use models that "
                              "share a tokenizer (or give both the same one with --tokenizer)")
 
-
-def prompt_ids(tok, text: str) -> np.ndarray:
-    """A prompt's ids as transformers' tokenizer call gives them: the BOS the tokenizer adds (unless the text, a
-    rendered chat, already starts with it), then the text; no EOS."""
-    ids = tok.encode(text).astype(np.int64)
-    if getattr(tok, "bos_id", None) is not None and not text.startswith(tok.tok.bos_token):
-        ids = np.concatenate([[tok.bos_id], ids])
-    return ids

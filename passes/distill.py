@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -771,6 +772,9 @@ class Distill(ComputePass):
                             "per process; fsdp: parameters, gradients and optimizer state sharded over them)")
 
     def run(self, prog, am):
+        if self.head_only and not prog.find("mtp"):  # compress's recovery stage, on a model without a head
+            print("distill: head_only=true, and the model has no MTP head: nothing to train", file=sys.stderr)
+            return Preserved.all()
         state_dir = None
         if self.state:
             state_dir = Path(self.state)

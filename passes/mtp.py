@@ -7,6 +7,7 @@ below the teacher's. Recovery is `distill{head_only=true}`: it trains only the h
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import field
 from typing import ClassVar
 
@@ -42,6 +43,9 @@ class MTPCheck(ComputePass):
         from ..tokenizer import check_shared
 
         teacher = teacher_program(self.teacher, am)
+        if not prog.find("mtp") and not teacher.find("mtp"):  # a model without a head (Nemotron-3-Nano) keeps none
+            print("mtp-check: neither the model nor the teacher has an MTP head: nothing to check", file=sys.stderr)
+            return Preserved.all()
         check_shared(prog, teacher)
         corpus = corpus_for(prog, pipeline_data(self.data, am) or None)
         prompts = held_out_windows(corpus, "report", self.prompt_len, limit=self.prompts)

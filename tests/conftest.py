@@ -38,7 +38,7 @@ def pytest_configure(config):
 
 #: the independent oracles the tests compare with; a developer without one sees its tests skipped
 ORACLES = ("transformers", "modelopt.torch.quantization.qtensor", "modelopt.torch.export.quant_utils",
-           "tensorrt_rtx_bindings")
+           "tensorrt_rtx_bindings", "datasets")
 
 
 def pytest_sessionstart(session):
@@ -199,3 +199,112 @@ def _assert_served(prog: ir.Program, cfg: dict) -> None:
 def assert_served():
     """The function `_assert_served(program, saved config dict)`."""
     return _assert_served
+
+
+# -- a subword model: a BPE tokenizer trained here and a transformers NemotronH in its vocabulary ----------------
+SUBWORD_VOCAB = 1024
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def _stdlib_texts(limit: int, skip: int = 0) -> list[str]:
+    from puzzlekit.data import stdlib_files
+
+    out, size = [], 0
+    for f in stdlib_files()[skip:]:
+        t = f.read_text(errors="replace")
+        out.append(t)
+        size += len(t)
+        if size >= limit:
+            break
+    return out
+
+
+def _train_tokenizer(d: Path):
+    """A byte-level BPE (as Nemotron-3's) with BOS <s> added by its post-processor, EOS </s>, a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=SUBWORD_VOCAB, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_stdlib_texts(400_000), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(d)
+    return fast
+
+
+def _subword_checkpoint(d: Path, tokenizer):
+    """transformers' NemotronH (pattern MEM*E, hidden 32) in the tokenizer's vocabulary, O(0.3) weights, plus an
+    MTP head ("*E") in its checkpoint as Nemotron-3 ships one."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    letters = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+    cfg = NemotronHConfig(
+        vocab_size=SUBWORD_VOCAB, hidden_size=HIDDEN, layers_block_type=[letters[c] for c in "MEM*E"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4,
+        mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+        routed_scaling_factor=2.0, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "A_log":
+                p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=torch.float32)))
+            elif leaf in ("D",) or "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif leaf == "dt_bias":
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5 - 3.0)
+            elif leaf == "e_score_correction_bias":
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    eps = cfg.layer_norm_epsilon
+    spec = MTP(HIDDEN, (Attention(HIDDEN, 4, 2, 8, eps), MoE(HIDDEN, 4, 2, 16, 24, scaling=2.0, norm_topk=True, eps=eps)),
+               eps)
+    tensors = load_file(str(d / "model.safetensors"))
+    for k, shape in spec.params().items():
+        std = 0.05 if k.endswith("e_score_correction_bias") else 0.3
+        t = std * torch.randn(shape, generator=g)
+        tensors[f"mtp.{k}"] = (1 + t / 3 if k.endswith("norm.weight") else t).contiguous()
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1,
+                                                        "mtp_hybrid_override_pattern": "*E"}, indent=2))
+    return model
+
+
+def _documents_jsonl(f: Path, n: int = 150) -> Path:
+    """`n` JSONL documents of Python source (stdlib files the tokenizer was not trained on), 300-1500 chars."""
+    import json
+
+    texts = [t[:1500] for t in _stdlib_texts(10**9, skip=400) if len(t) > 300][:n]
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return f
+
+
+@pytest.fixture(scope="session")
+def subword(tmp_path_factory):
+    """A namespace: `model` (checkpoint directory with the tokenizer beside it), `hf` (transformers' model),
+    `tokenizer` (transformers'), `tokenizer_dir` (the tokenizer alone), `docs` (a JSONL file of 150 documents)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("subword")
+    tokenizer = _train_tokenizer(root / "tokenizer")
+    hf = _subword_checkpoint(root / "model", tokenizer)
+    return SimpleNamespace(model=root / "model", hf=hf, tokenizer=tokenizer, tokenizer_dir=root / "tokenizer",
+                           docs=_documents_jsonl(root / "docs.jsonl"))

@@ -256,9 +256,9 @@ def _run(args) -> int:
     except PipelineSyntaxError as e:
         raise UsageError(str(e)) from None
     src = model_path(args.model).resolve()
-    prog = _model(args, text=reads_text(passes))
     need = sum(f.stat().st_size for f in src.glob("*.safetensors")) if src.is_dir() else 0  # about the output's
     out = check_output(args.output, [src, *(args.data or [])], args.overwrite, need)  # before the work, not after
+    prog = _model(args, text=reads_text(passes))
     ins = Instrumentation(verify_each=args.verify_each, print_ir_after=args.print_ir_after,
                           progress=not args.json and sys.stderr.isatty())
     before = prog.param_counts()
@@ -327,7 +327,7 @@ def _eval(args) -> int:
         teacher = ir.verify(ir.load(model_path(args.teacher)))
         set_tokenizer(teacher, args.tokenizer)
         check_shared(prog, teacher)
-    corpus = corpus_for(prog, args.data, progress=not args.json)
+    corpus = corpus_for(prog, args.data, progress=not args.json and sys.stderr.isatty())
     windows = held_out_windows(corpus, "report", args.seq + 1, limit=args.windows)
     if len(windows) < args.prompts:
         raise UsageError(f"--prompts {args.prompts} needs as many held-out windows; there are {len(windows)} "
@@ -524,14 +524,14 @@ def _generate(args) -> int:
 
     from .. import ir
     from ..backends.torch import materialize
-    from ..tokenizer import prompt_ids, tokenizer_of
+    from ..tokenizer import tokenizer_of
 
     compute = compute_of(args)
     prog = ir.verify(_model(args, text=True))
     tok = tokenizer_of(prog)
     text = tok.render_chat([{"role": "user", "content": args.prompt}], generation_prompt=True) if args.chat \
         else args.prompt
-    prompt = prompt_ids(tok, text)[None]
+    prompt = tok.prompt(text)[None]
     if not args.prompt or prompt.size == 0:
         raise UsageError("the prompt is empty")
     if args.backend == "onnx":
@@ -633,7 +633,8 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--output", "-o", required=True, help="bundle directory")
     be.add_argument("--recipe", help="quantize the model first with this recipe (default: the target's: nvfp4 "
                                      "on FP4 GPUs, fp8 otherwise; bf16 keeps it as is)")
-    be.add_argument("--calib-samples", type=positive_int, default=16, help="calibration windows for --recipe")
+    be.add_argument("--calib-samples", type=positive_int, default=16, help="calibration windows of 128 tokens for "
+                                                                               "--recipe and an FP8 KV cache")
     be.add_argument("--build", choices=["auto", "yes", "no"], default="auto",
                     help="build the engines here (auto: where TensorRT-RTX, or TensorRT and the GPU, are present)")
     be.add_argument("--overwrite", action="store_true", help="replace an existing output directory")

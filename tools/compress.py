@@ -36,6 +36,8 @@ FULL = {"library": "calib_windows=64,score_windows=16,seq=256,bld_tokens=65536",
         "mtp": "prompts=8,new_tokens=32", "steps": 300, "head_steps": 100, "report": (16, 8, 32)}
 #: the report set's windows (tokens), and the MTP prompts' length, for `quality`
 REPORT_SEQ, PROMPT_LEN = 256, 64
+#: windows and tokens per window the engine bundle's FP8 KV-cache scales are calibrated on (as build-engine's)
+KV_CALIBRATION = (16, 128)
 #: the constraints in the order a budget sweep picks the one to scale
 SWEPT = ("speedup", "decode_ms", "prefill_s", "max_params", "max_active", "concurrency")
 
@@ -154,7 +156,7 @@ def _parent(args, src: Path):
 
     parent = ir.load(src)
     set_tokenizer(parent, args.tokenizer)
-    corpus_for(parent, args.data, progress=not args.json)  # tokenized once here (and cached): every stage reads it
+    corpus_for(parent, args.data, progress=not args.json and sys.stderr.isatty())  # tokenized once here (and cached): every stage reads it
     return parent
 
 
@@ -383,8 +385,13 @@ def bundle(prog, args, out: Path) -> dict:
         return export_onnx(prog, out, target=args.target, overwrite=True).to_json()
     from ..backends.tensorrt.bundle import write_bundle
 
-    rep = write_bundle(prog, out, target, get_scenario(args.scenario, recipe=deploy_recipe(args.target) or None),
-                       overwrite=True)
+    scenario = get_scenario(args.scenario, recipe=deploy_recipe(args.target) or None)
+    calib = None
+    if scenario.kv_dtype == "fp8":  # the KV cache's scales from the run's own text, as build-engine calibrates
+        from ..passes.quant import calibration_windows
+
+        calib = calibration_windows(args.data or [], KV_CALIBRATION[0], KV_CALIBRATION[1], prog)
+    rep = write_bundle(prog, out, target, scenario, overwrite=True, calibration_ids=calib)
     return {k: v for k, v in rep.to_json().items() if k != "build"}
 
 

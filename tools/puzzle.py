@@ -58,7 +58,8 @@ def add_parser(sub, model_help: str, positive_int, positive_float):
     p.add_argument("--grid", help="grid TOML file (default: passes/puzzle/default-grid.toml)")
     p.add_argument("--bld-tokens", type=positive_int, default=65536, help="BLD training tokens per variant")
     p.add_argument("--bld-lr", type=positive_float, default=1e-3, help="BLD peak learning rate")
-    p.add_argument("--calib-windows", type=positive_int, default=64, help="calibration windows (importance, BLD)")
+    p.add_argument("--calib-windows", type=positive_int, default=64, help="calibration windows of --seq tokens "
+                                                                               "(importance, BLD)")
     p.add_argument("--score-windows", type=positive_int, default=16, help="held-out windows for scoring")
     p.add_argument("--seq", type=positive_int, default=256, help="tokens per window")
     p.add_argument("--data", nargs="*", help="text files, directories, .jsonl, .parquet, a datasets directory or a hub "

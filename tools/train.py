@@ -73,7 +73,7 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
     out.mkdir(parents=True, exist_ok=True)
     state_file = out / "train_state.pt"
     tokenizer = tokenizer or BYTES
-    corpus = load_corpus(data, tokenizer=tokenizer, progress=progress)
+    corpus = load_corpus(data, tokenizer=tokenizer)
     prog = random_weights(default_architecture(vocab=tokenizer.vocab_size), seed=cfg.seed)
     if tokenizer is not BYTES:
         prog.meta["tokenizer"] = str(tokenizer.directory.resolve())
