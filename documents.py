@@ -180,9 +180,23 @@ def fingerprint(sources: list[str]) -> str:
             continue
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for f in files:
-            h.update(f"\0{f.relative_to(path) if path.is_dir() else f.name}\0".encode())
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 22), b""):
-                    h.update(block)
+            h.update(f"\0{f.relative_to(path) if path.is_dir() else f.name}\0{_file_digest(f)}".encode())
     return h.hexdigest()
+
+
+_DIGESTS: dict[tuple, str] = {}
+
+
+def _file_digest(f: Path) -> str:
+    """A file's sha256, read once per process while its size and modification time stay the same (every stage
+    of a run asks for the data's fingerprint; a corpus of many GB is hashed once)."""
+    st = f.stat()
+    key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
 

@@ -254,3 +254,38 @@ def test_a_model_without_an_mtp_head_passes_the_mtp_stages(subword, tmp_path, ca
     err = capsys.readouterr().err
     assert code == 0, err
     assert "nothing to check" in err and "nothing to train" in err
+
+
+def test_pipeline_passes_read_the_models_tokens(subword, small_grid_file, tmp_path):
+    """distill, mtp-check, quantize and the library on a subword model: the teacher's bits per byte that distill
+    reports is transformers' on the same selection windows."""
+    from puzzlekit.passes import PassManager
+    from puzzlekit.passes.puzzle import LibrarySettings, build_library
+
+    prog = ir.load(subword.model)
+    pipeline = ("snapshot{name=teacher},set-topk{k=1,layers=[1]},distill{steps=2,batch=2,seq=32,eval_windows=2,"
+                "eval_every=1},mtp-check{prompts=1,new_tokens=2,tolerance=1.0},quantize{recipe=fp8,samples=2,seq=32}")
+    am = PassManager(pipeline, data=[str(subword.docs)]).run(prog)
+    windows = held_out_windows(corpus_for(prog, [subword.docs]), "selection", 33, limit=2)
+    with torch.no_grad():
+        logits = subword.hf(windows[:, :-1], use_cache=False).logits
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1),
+                                            reduction="sum").item()
+    nbytes = sum(len(subword.tokenizer.decode(w[1:], skip_special_tokens=True).encode()) for w in windows.tolist())
+    got = am.reports["distill"][0]["teacher_bits_per_byte"]
+    assert abs(got - nll / nbytes / math.log(2)) < 1e-4 * got
+    assert am.reports["mtp-check"][0]["acceptance"] >= 1
+    lib = build_library(ir.load(subword.model), tmp_path / "lib", small_grid_file,
+                        LibrarySettings(calib_windows=2, score_windows=1, seq=32, bld_tokens=128, data=[str(subword.docs)]))
+    assert all(math.isfinite(r["scores"]["kl"]) for r in lib.rows)
+
+
+def test_train_in_a_tokenizers_vocabulary(subword, tmp_path, capsys):
+    code, res, _ = _cli(capsys, "train", "-o", tmp_path / "run", "--tokenizer", subword.tokenizer_dir, "--data",
+                        subword.docs, "--steps", "2", "--batch", "2", "--seq", "32", "--json")
+    assert code == 0
+    child = ir.load(tmp_path / "run" / "model")
+    assert child.find("embed")[0].op.vocab == 1024 == tokenizer_of(child).vocab_size
+    assert (tmp_path / "run" / "model" / "tokenizer.json").read_bytes() == \
+        (subword.tokenizer_dir / "tokenizer.json").read_bytes()
+    assert res["valid_tokens"] < res["valid_bytes"]  # subwords: more bytes than tokens
