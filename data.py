@@ -8,7 +8,6 @@ a blank line, as the built-in model was trained on."""
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -18,10 +17,11 @@ import numpy as np
 import torch
 
 from .documents import TEXT_SUFFIXES, DataError, fingerprint, read_documents
+from .outputs import atomic_file, cache_dir
 from .tokenizer import BYTES
 
 __all__ = ["HELD_OUT", "TEXT_SUFFIXES", "Corpus", "DataError", "corpus_for", "held_out_windows", "is_validation",
-           "load_corpus", "random_windows", "sequential_windows", "stdlib_corpus", "stdlib_files"]
+           "load_corpus", "calibration_windows", "random_windows", "sequential_windows", "stdlib_corpus", "stdlib_files"]
 
 #: the three disjoint parts of the held-out text, each for one use, so that no figure is measured on data the
 #: step it judges was chosen on: `scoring` the library's replace-one-block scores (the search minimises them),
@@ -134,7 +134,8 @@ def _tokenized(docs: list[tuple[str, str]], tok, progress: bool) -> Corpus:
 
     held = [is_validation(name) for name, _ in docs]
     if sum(held) < MIN_HELD_OUT_DOCS <= len(docs) - MIN_HELD_OUT_DOCS:
-        ranked = sorted((i for i, h in enumerate(held) if not h), key=lambda i: hashlib.sha1(docs[i][0].encode()).digest())
+        ranked = sorted((i for i, h in enumerate(held) if not h),
+                        key=lambda i: hashlib.sha1(docs[i][0].encode()).digest())
         for i in ranked[:MIN_HELD_OUT_DOCS - sum(held)]:
             held[i] = True
     streams = {True: [], False: []}
@@ -154,11 +155,6 @@ def _tokenized(docs: list[tuple[str, str]], tok, progress: bool) -> Corpus:
                   np.concatenate([[0], np.cumsum(lengths)[:-1]]), tok)
 
 
-def cache_dir() -> Path:
-    """$PUZZLEKIT_CACHE (default ~/.cache/puzzlekit): tokenized data and ONNX exports."""
-    return Path(os.environ.get("PUZZLEKIT_CACHE", Path.home() / ".cache" / "puzzlekit"))
-
-
 def _cache_key(paths: list[str], tok, limit_bytes: int | None) -> str:
     data = fingerprint(paths) if paths else f"stdlib {sys.version} {sysconfig.get_paths()['stdlib']} {limit_bytes}"
     return hashlib.sha256(f"{CACHE_FORMAT}|{data}|{tok.identity}".encode()).hexdigest()[:40]
@@ -167,7 +163,7 @@ def _cache_key(paths: list[str], tok, limit_bytes: int | None) -> str:
 def _cached(key: str, make) -> Corpus:
     from safetensors.numpy import load_file, save_file
 
-    f = cache_dir() / "tokens" / f"{key}.safetensors"
+    f = cache_dir("tokens") / f"{key}.safetensors"
     if f.exists():
         try:
             t = load_file(str(f))
@@ -176,9 +172,8 @@ def _cached(key: str, make) -> Corpus:
             pass
     c = make()
     f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_name(f".{f.name}.{os.getpid()}.tmp")
-    save_file({"train": c.train, "valid": c.valid, "starts": c.starts.astype(np.int64)}, str(tmp))
-    os.replace(tmp, f)
+    with atomic_file(f) as tmp:
+        save_file({"train": c.train, "valid": c.valid, "starts": c.starts.astype(np.int64)}, str(tmp))
     return c
 
 
@@ -215,6 +210,13 @@ def corpus_for(prog, paths: list[str] | None = None, progress: bool | None = Non
     from .tokenizer import tokenizer_of
 
     return load_corpus(paths, tokenizer=tokenizer_of(prog), progress=progress)
+
+
+def calibration_windows(data: list[str] | None, samples: int, seq: int, prog) -> torch.Tensor:
+    """`samples` consecutive windows of `seq` tokens, in the program's own tokenization, from the training split
+    (evaluation scores the held-out split): what importance, the library's BLD, quantization and the KV cache
+    calibrate on."""
+    return sequential_windows(corpus_for(prog, data or None).train, seq, limit=samples)
 
 
 def random_windows(stream: np.ndarray, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:

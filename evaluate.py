@@ -4,8 +4,6 @@ every report and benchmark compute theirs here, so that their figures mean the s
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -236,16 +234,8 @@ def decode_throughput(model, batch: int, context: int, repeats: int = 15, warmup
                              f"{batch}, context {context}, repeats {repeats}, warmup {warmup})")
     vocab = model.program.find("embed")[0].op.vocab
     ids = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(seed))
+    from .backends.torch.device import median_seconds
+
     _, state = model.prefill(ids)
-    device = model.compute.device
-    tok = ids[:, -1].to(device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(warmup + repeats):
-        sync()
-        start = time.perf_counter()
-        model.decode(tok, state)
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return batch / statistics.median(times)
+    tok = ids[:, -1].to(model.compute.device)
+    return batch / median_seconds(lambda: model.decode(tok, state), model.compute, repeats, warmup)

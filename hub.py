@@ -55,8 +55,8 @@ def resolve(name: str, what: str = "model") -> Path:
         raise HubError(f"{name}: not a local path, and not a usable hub id ({type(e).__name__}: {e})") from None
     if not online():
         raise HubError(f"{name} does not exist on this machine, and as a hub id it is not in the local hub cache and "
-                       f"the hub cannot be reached (offline); download the {what} on a connected machine (huggingface-cli download "
-                       f"{name} --local-dir DIR) and pass DIR instead")
+                       f"the hub cannot be reached (offline); download the {what} on a connected machine "
+                       f"(huggingface-cli download {name} --local-dir DIR) and pass DIR instead")
     try:
         return Path(snapshot_download(name))
     except Exception as e:

@@ -145,12 +145,29 @@ def staged_dir(out, overwrite: bool = False, inputs: Iterable = (), need_bytes: 
         shutil.rmtree(box, ignore_errors=True)
 
 
-def write_text(path: Path, text: str) -> None:
-    """Writes `text` atomically (temp file beside it + rename)."""
+@contextmanager
+def atomic_file(path) -> Iterator[Path]:
+    """A temporary path beside `path` for the block to write; put in `path`'s place in one rename when the
+    block ends without an error, so a kill leaves the old file or the new one, never half of one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Writes `text` atomically (see atomic_file)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+
+
+def cache_dir(kind: str) -> Path:
+    """Where puzzlekit keeps what it can make again (`tokens`, `onnx`, op timings): $PUZZLEKIT_CACHE, by default
+    ~/.cache/puzzlekit."""
+    return Path(os.environ.get("PUZZLEKIT_CACHE", Path.home() / ".cache" / "puzzlekit")) / kind
 
 
 def write_json(path: Path, data) -> None:

@@ -197,9 +197,9 @@ def tokenizer_of(prog):
     if not path:
         if vocab == BYTE_VOCAB:
             return BYTES
-        raise TokenizerError(f"{prog.meta.get('source') or 'the model'} has a {vocab:,}-token vocabulary, not bytes, and "
-                             "no tokenizer beside it: pass --tokenizer PATH (the directory of the model's tokenizer "
-                             "files, or its hub id)")
+        where = prog.meta.get("source") or "the model"
+        raise TokenizerError(f"{where} has a {vocab:,}-token vocabulary, not bytes, and no tokenizer beside it: pass "
+                             "--tokenizer PATH (the directory of the model's tokenizer files, or its hub id)")
     tok = load_tokenizer(path)
     if tok.vocab_size > vocab:
         raise TokenizerError(f"the tokenizer {tok.name} has {tok.vocab_size:,} ids but the model's vocabulary is "

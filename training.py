@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import PuzzlekitError
+from .outputs import atomic_file
 
 
 class TrainingError(PuzzlekitError):
@@ -136,9 +137,8 @@ def barrier(world: int) -> None:
 
 
 def save_atomic(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def _world() -> tuple[int, int]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import PuzzlekitError
+from ..outputs import cache_dir
 from .torch.device import CPU, Compute
 
 FIX = "price it on an analytic target (--target h100, or a target file describing this CPU) or a shorter one"
@@ -76,8 +77,7 @@ class MeasuredProvider:
         self.pinned = bool(pinned)  # taken as it is: no spot checks, whatever machine it was timed on
         if pinned:
             cache, spot_checks = Path(pinned), 0
-        self.cache_file = cache or Path(os.environ.get("PUZZLEKIT_CACHE", Path.home() / ".cache" / "puzzlekit")) \
-            / "cpu-op-times.json"
+        self.cache_file = cache or cache_dir("cpu-op-times.json")
         self.repeats, self.warmup, self.spot_checks, self.tolerance = repeats, warmup, spot_checks, tolerance
         self.timer, self.compute = timer, compute
         self.conditions = conditions_fn() if conditions_fn else conditions(compute)
@@ -252,18 +252,7 @@ class MeasuredProvider:
         return [statistics.fmean(s) for s in samples]
 
     def _time(self, run) -> float:
-        """Seconds of one call: wall time on CPU; on CUDA the device's own time between two events."""
-        if self.compute.device.type != "cuda":
-            t0 = self.timer()
-            run()
-            return self.timer() - t0
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.compute.synchronize()
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return self.compute.time(run, self.timer)
 
     @torch.no_grad()
     def _runner(self, op, batch, tokens, context, decode):

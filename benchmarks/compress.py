@@ -13,7 +13,7 @@ on any machine), under the default engine profile (what vLLM, SGLang and TensorR
    round's distillation is listed (selection-set KL pruned and best, and the best step). `by-damage` splits the
    steps by the damage each round's search predicts instead of equally.
 4. Throughput: the search's predicted h100 ratio, and decode tokens/s measured here against the cpu cost
-   model's prediction for the same step (tools.compress.decode_figures).
+   model's prediction for the same step (tools.compress_outputs.decode_figures).
 
 Held-out text: the library scored on the `scoring` set, keep-best chose on the `selection` set, every figure of
 2-4 is on the `report` set (data.HELD_OUT); the script prints the byte ranges. Each finished cell is stored in
@@ -43,7 +43,7 @@ from puzzlekit.ir.printer import format_table
 from puzzlekit.outputs import write_json
 from puzzlekit.passes import AnalysisManager, PassError, PassManager
 from puzzlekit.passes.puzzle import Library, build_library
-from puzzlekit.tools.compress import decode_figures
+from puzzlekit.tools.compress_outputs import decode_figures
 from puzzlekit.tools.default_model import load_default
 
 METHODS = ("mip", "greedy", "uniform")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import torch
 
 from puzzlekit.backends.cost import CostModel, get_scenario
 from puzzlekit.backends.torch import materialize
-from puzzlekit.backends.torch.device import CPU, resolve
+from puzzlekit.backends.torch.device import CPU, median_seconds, resolve
 from puzzlekit.passes import PassManager
 from puzzlekit.passes.distill import Distill, distill
 from puzzlekit.passes.puzzle import LibrarySettings, build_library
@@ -74,19 +73,10 @@ def decode_step_seconds(prog, compute, batch: int, context: int = 256, steps: in
     """Median device time of one decode step at `batch` after a `context`-token prefill (CUDA events)."""
     model = materialize(prog, compute=compute)
     ids = torch.randint(0, 256, (batch, context), generator=torch.Generator().manual_seed(0))
-    times = []
     with torch.no_grad():
         _, state = model.prefill(ids)
         tok = ids[:, -1].to(compute.device)
-        for i in range(steps + 3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            model.decode(tok, state)
-            end.record()
-            end.synchronize()
-            if i >= 3:
-                times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+        return median_seconds(lambda: model.decode(tok, state), compute, repeats=steps, warmup=3)
 
 
 def main() -> int:

@@ -204,12 +204,6 @@ class WeightStore:
     def set_meta(self, name: str, shape, dtype=torch.bfloat16) -> None:
         self._entries[name] = torch.empty(tuple(shape), dtype=dtype, device="meta")
 
-    def add_safetensors(self, file: Path) -> list[str]:
-        """Registers every tensor of a safetensors file lazily; returns their names."""
-        entries = lazy_tensors(file)
-        self.update(entries)
-        return list(entries)
-
     def update(self, entries: dict) -> None:
         """Adds entries as they are: tensors, quantised weights or lazy tensors (from `lazy_tensors`)."""
         self._entries.update(entries)
@@ -232,9 +226,9 @@ class WeightStore:
     def spill_over(self, limit: int) -> None:
         """When the weights held in memory pass `limit` bytes, writes them to one scratch safetensors file
         (puzzlekit.memory) and reads them from there from now on, as a checkpoint's are."""
-        names = self._in_memory()
-        if sum(self.nbytes(k) for k in names) <= limit:
+        if self.resident_bytes() <= limit:
             return
+        names = self._in_memory()
         from safetensors.torch import save_file
 
         from ..memory import scratch_file

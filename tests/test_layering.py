@@ -47,3 +47,58 @@ def test_the_check_sees_upward_imports():
     text = "from ...passes.quant import Quantize\nimport torch\ndef f():\n    from ... import tools\n"
     assert imported_packages(text, Path("ir/ops/mlp.py")) == [(1, "passes"), (4, "tools")]
     assert imported_packages("from puzzlekit.backends.torch import materialize\n", Path("ir/x.py")) == [(1, "backends")]
+
+
+def module_name(rel: Path) -> str:
+    """`passes/distill/run.py` -> `passes.distill.run`; a package's `__init__.py` -> the package."""
+    parts = list(rel.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(text: str, rel: Path, known: set[str]) -> set[str]:
+    """Every module of the package that the module at `rel` imports, at module level or inside a function: for
+    `from X import name`, X.name when that is a module, else X."""
+    package = list(rel.parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("puzzlekit."):
+            base = node.module.split(".")[1:]
+        elif isinstance(node, ast.Import):
+            out |= {".".join(a.name.split(".")[1:]) for a in node.names if a.name.startswith("puzzlekit.")} & known
+            continue
+        else:
+            continue
+        mod = ".".join(base)
+        for a in node.names:
+            sub = f"{mod}.{a.name}" if mod else a.name
+            out.add(sub if sub in known else mod)
+    return out & known
+
+
+def import_graph():
+    import networkx as nx
+
+    files = {module_name(f.relative_to(ROOT)): f for f in sources()}
+    g = nx.DiGraph()
+    for name, f in files.items():
+        g.add_node(name)
+        g.add_edges_from((name, m) for m in imported_modules(f.read_text(), f.relative_to(ROOT), set(files))
+                         if m != name)
+    return g
+
+
+def test_no_import_circle():
+    """No two modules import each other, directly or through others, at module level or inside functions: a
+    package's `__init__` re-exporting its modules is the one allowed way back up (its modules may not import it)."""
+    import networkx as nx
+
+    cycles = sorted(sorted(c) for c in nx.simple_cycles(import_graph()))
+    assert not cycles, f"import circles: {cycles[:5]}"
+
+
+def test_the_circle_check_sees_function_level_imports():
+    known = {"passes.distill", "passes.puzzle.library", "passes.puzzle", "ir"}
+    text = "from .. import ir\ndef f():\n    from .puzzle.library import parent_hash\n"
+    assert imported_modules(text, Path("passes/distill.py"), known) == {"ir", "passes.puzzle.library"}

@@ -158,7 +158,9 @@ def test_importance_order_beats_random_order(parent):
     for layer, axis, n in cases:
         node = parent.blocks()[layer]
         w = {k: v for k, v in parent.node_weights(node).items()}
-        kl = lambda r: scorer.score(layer, block_module(*slice_variant(node.op, w, Variant(((axis, n),)), r)))["kl"]
+        def kl(r):
+            block = block_module(*slice_variant(node.op, w, Variant(((axis, n),)), r))
+            return scorer.score_layer(layer, [block])[0]["kl"]
         ax = node.op.axes()[axis]
         per = ax.size // ax.groups
         rnd = []

@@ -2,7 +2,7 @@
 deployment artifacts and a report out.
 
 It fills in tools/pipelines/compress.pipeline (or the user's copy) and runs it with stage checkpoints, then
-writes the outputs, each skipped when a rerun finds it done:
+writes the outputs (tools/compress_outputs.py), each skipped when a rerun finds it done:
 
     OUT/work/        stage checkpoints and distillation state (a rerun after a kill continues from here)
     OUT/library/     the block library (unless --library names an existing one)
@@ -15,7 +15,6 @@ writes the outputs, each skipped when a rerun finds it done:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -26,30 +25,15 @@ from pathlib import Path
 
 from ..errors import PuzzlekitError, UsageError
 from ..outputs import write_json, write_text
+from .compress_outputs import SWEPT, deploy_recipe, write_outputs
 from .puzzle import EXTENDED_HELP, add_constraint_arguments, constraints_of
 
 QUICK = {"library": "calib_windows=8,score_windows=2,seq=64,bld_tokens=4096",
          "distill": "batch=4,seq=64,lr=1e-3,eval_every=10,eval_windows=2,checkpoint_every=5",
-         "mtp": "prompts=2,new_tokens=16", "steps": 20, "head_steps": 10, "report": (4, 2, 16)}
+         "mtp": "prompts=2,new_tokens=16", "steps": 20, "head_steps": 10}
 FULL = {"library": "calib_windows=64,score_windows=16,seq=256,bld_tokens=65536",
         "distill": "batch=8,seq=128,lr=1e-3,eval_every=50,eval_windows=8,checkpoint_every=25",
-        "mtp": "prompts=8,new_tokens=32", "steps": 300, "head_steps": 100, "report": (16, 8, 32)}
-#: the report set's windows (tokens), and the MTP prompts' length, for `quality`
-REPORT_SEQ, PROMPT_LEN = 256, 64
-#: windows and tokens per window the engine bundle's FP8 KV-cache scales are calibrated on (as build-engine's)
-KV_CALIBRATION = (16, 128)
-#: the constraints in the order a budget sweep picks the one to scale
-SWEPT = ("speedup", "decode_ms", "prefill_s", "max_params", "max_active", "concurrency")
-
-
-def deploy_recipe(target: str) -> str:
-    """The precision a target deploys in: NVFP4 where it has FP4 math, else FP8, else none (cpu)."""
-    from ..backends.targets import get_target
-
-    t = get_target(target)
-    return (t.trt or {}).get("recipe") or ("nvfp4" if t.supports("nvfp4") else "fp8" if t.supports("fp8") else "")
-
-
+        "mtp": "prompts=8,new_tokens=32", "steps": 300, "head_steps": 100}
 def pipeline_text(template: str, args, out: Path, library: Path) -> str:
     """The template (a pipeline file's text) with its comments dropped and its $names filled in from the
     command's options."""
@@ -74,14 +58,6 @@ def pipeline_text(template: str, args, out: Path, library: Path) -> str:
     except (KeyError, ValueError) as e:
         raise PuzzlekitError(f"the compress pipeline uses an unknown ${e.args[0] if e.args else ''} name; "
                              f"known: {', '.join(sorted(values))}") from None
-
-
-def _done(out: Path, name: str) -> bool:
-    return (out / "work" / f"{name}.done").exists()
-
-
-def _mark(out: Path, name: str, info: dict) -> None:
-    write_json(out / "work" / f"{name}.done", info)
 
 
 @contextlib.contextmanager
@@ -130,7 +106,7 @@ def compress(args, progress: bool = True) -> dict:
     """Runs every stage that has not finished; returns the summary (also OUT/work/summary.json)."""
     from .default_model import model_path
 
-    from .cli import compute_of
+    from .common import compute_of
 
     compute_of(args)  # before any work: a device this machine lacks is a usage error
     if args.engine == "none" and not args.extended:
@@ -156,18 +132,19 @@ def _parent(args, src: Path):
 
     parent = ir.load(src)
     set_tokenizer(parent, args.tokenizer)
-    corpus_for(parent, args.data, progress=not args.json and sys.stderr.isatty())  # tokenized once here (and cached): every stage reads it
+    # tokenized once here (and cached on disk): every stage reads it
+    corpus_for(parent, args.data, progress=not args.json and sys.stderr.isatty())
     return parent
 
 
 def _run_key(parent, args) -> str:
     """What the stage checkpoints belong to: the parent's weights, and the text it is compressed on."""
     from ..documents import fingerprint
-    from ..passes.puzzle.library import parent_hash
+    from ..ir.identity import program_hash
     from ..tokenizer import BYTES, tokenizer_of
 
     tok = tokenizer_of(parent)
-    key = parent_hash(parent)
+    key = program_hash(parent)
     return key if tok is BYTES and not args.data else f"{key}|{tok.identity}|{fingerprint(args.data or [])}"
 
 
@@ -175,7 +152,7 @@ def _workload(args, out: Path) -> str:
     """The scenario the run prices: the named one, or with workload options its resolved form written to
     OUT/scenario.toml (so the pipeline, a rerun and the report read the same one)."""
     from ..backends.cost import get_scenario
-    from .cli import scenario_of
+    from .common import scenario_of
 
     sc = scenario_of(args)
     if sc == get_scenario(args.scenario):
@@ -186,7 +163,6 @@ def _workload(args, out: Path) -> str:
 
 
 def _run(args, out: Path, parent, library: Path, progress: bool) -> dict:
-    from .. import ir
     from ..backends.cost import CostModel, get_scenario
     from ..backends.torch.device import use_threads
     from ..errors import read_text
@@ -221,182 +197,8 @@ def _run(args, out: Path, parent, library: Path, progress: bool) -> dict:
     return summary
 
 
-def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
-    """The child checkpoint, plan.json (with the search's frontier and measured figures) and the bundle;
-    each skipped when an earlier run wrote it."""
-    from .. import ir
-    from ..ir.nemotron_h_puzzle import Unpublishable
-
-    done = {}
-    if not _done(out, "model"):
-        try:
-            ir.save(prog, out / "model", overwrite=True)
-            form = "published nemotron_h_puzzle"
-        except Unpublishable as e:  # only with --engine none: noop / linear layers, Mamba layers that differ
-            if not args.extended:
-                raise
-            ir.save(prog, out / "model", overwrite=True, extended=True)
-            form = f"puzzlekit extended form ({str(e).split(';')[0].removeprefix('save: ')})"
-        _mark(out, "model", {"form": form})
-    done["model"] = json.loads((out / "work" / "model.done").read_text())
-    if not _done(out, "quality"):
-        _mark(out, "quality", quality(parent, prog, args))
-    done["quality"] = json.loads((out / "work" / "quality.done").read_text())
-    if not _done(out, "plan"):
-        points = frontier(parent, args, library)
-        plan = {"plan": prog.meta.get("plan"), "frontier": points, "engine": engine_cost(parent, args, library, points),
-                "deployment": deployment(parent, prog, args)}
-        write_json(out / "plan.json", plan)
-        _mark(out, "plan", {})
-    if not _done(out, "bundle"):
-        _mark(out, "bundle", bundle(prog, args, out / "bundle"))
-    done["bundle"] = json.loads((out / "work" / "bundle.done").read_text())
-    return done
-
-
-def quality(parent, child, args) -> dict:
-    """Parent and delivered child on the report set (data.HELD_OUT: text no stage of the run chose anything
-    on): KL and top-1 agreement to the parent, bits per byte and NLL per token, MTP acceptance length; and
-    which windows."""
-    from ..backends.torch.stream import StreamedProgram
-    from ..data import corpus_for, held_out_windows
-    from ..evaluate import acceptance_length, teacher_agreement, text_metrics
-    from .cli import compute_of
-
-    n, prompts, new_tokens = (QUICK if args.quick else FULL)["report"]
-    corpus = corpus_for(parent, args.data)
-    windows = held_out_windows(corpus, "report", REPORT_SEQ + 1, limit=n)
-    starts = held_out_windows(corpus, "report", PROMPT_LEN, limit=prompts)
-    compute = compute_of(args)
-    models = {name: StreamedProgram(prog, compute) for name, prog in (("parent", parent), ("child", child))}
-    out = {"set": "report", "windows": [n, REPORT_SEQ + 1], "prompts": [prompts, PROMPT_LEN, new_tokens]}
-    for name, m in models.items():  # the parent against itself agrees exactly: not run twice more to say so
-        agreement = teacher_agreement(models["parent"], m, windows) if name == "child" else \
-            {"kl": 0.0, "top1_agreement": 1.0}
-        text = text_metrics(m, windows, corpus.token_bytes)
-        out[name] = {**agreement, "bits_per_byte": text["bits_per_byte"], "nll_per_token": text["nll_per_token"],
-                     "mtp_acceptance": acceptance_length(m, starts, 3, new_tokens) if m.program.find("mtp") else None}
-    return out
-
-
-def _scaled(args, factor: float):
-    """The command's constraints with the first given one scaled by `factor` (a budget sweep)."""
-    c = constraints_of(args)
-    k = next(k for k in SWEPT if getattr(c, k))
-    v = getattr(c, k) * factor if k in ("speedup", "concurrency") else getattr(c, k) / factor
-    return k, dataclasses.replace(c, **{k: max(1, round(v)) if k == "concurrency" else v})
-
-
-def frontier(parent, args, library: Path) -> list[dict]:
-    """Summed replacement score against the predicted figure of the swept constraint (relative to the
-    parent), for the MIP and the uniform and greedy baselines at budgets around the target, under the run's
-    engine profile."""
-    from ..passes.puzzle import Library
-    from ..passes.puzzle.search import PlanError, Search
-
-    lib = Library.open(library, parent)
-    points = []
-    for factor in (0.75, 0.9, 1.0, 1.15, 1.3):
-        key, c = _scaled(args, factor)
-        search = Search(lib, parent, [(args.target, args.scenario)], deploy_recipe(args.target), "kl", c,
-                        engine=args.engine)
-        for method in ("mip", "uniform", "greedy"):
-            try:
-                plan = search.plan(method)
-            except PlanError:
-                continue
-            points.append({"method": method, "budget": factor, "constraint": key, "score": plan.objective,
-                           "relative": _relative(search, plan, key), "params": plan.params_total})
-    return points
-
-
-def engine_cost(parent, args, library: Path, points: list[dict]) -> dict:
-    """What the engine profile cost: the MIP's summed score at the target under the profile (the frontier's
-    point at the target, `points`) and without any engine's rules (the parent's library scores: a one-step
-    search's view)."""
-    from ..passes.puzzle import Library
-    from ..passes.puzzle.engines import get_engine
-    from ..passes.puzzle.search import PlanError, Search
-
-    served = next((p["score"] for p in points if p["method"] == "mip" and p["budget"] == 1.0), None)
-    try:
-        free = Search(Library.open(library, parent), parent, [(args.target, args.scenario)], deploy_recipe(args.target),
-                      "kl", constraints_of(args), engine="none").plan().objective
-    except PlanError:
-        free = None
-    return {"profile": args.engine, "rules": get_engine(args.engine).describe(), "score": served,
-            "unconstrained_score": free}
-
-
-def _relative(search, plan, key: str) -> float:
-    """The child's figure for `key` over the parent's: throughput ratio for a speedup target, else the
-    constrained quantity's ratio."""
-    if key == "speedup":
-        return search.throughput_ratio(plan)
-    name = {"decode_ms": "latency_seconds", "prefill_s": "prefill_seconds", "concurrency": "memory_bytes",
-            "max_params": "params", "max_active": "active_params"}[key]
-    return plan.predicted[name] / plan.parent[name]
-
-
-def deployment(parent, child, args) -> dict:
-    """Predicted figures of parent and child on the target; on the cpu target also decode throughput measured
-    and predicted like for like at each one's largest batch meeting the scenario (`decode_figures`)."""
-    from ..backends.cost import best_layout, get_scenario
-
-    scenario = get_scenario(args.scenario, recipe=deploy_recipe(args.target) or None)
-    out = {}
-    for name, prog in (("parent", parent), ("child", child)):
-        r = best_layout(prog, args.target, scenario)[1]
-        out[name] = {"predicted": {"weight_gb": r.weight_bytes / 1e9, "layout": r.layout, "max_batch": r.max_batch,
-                                   "max_concurrency": r.max_concurrency,
-                                   "decode_step_ms": r.decode_step_seconds * 1e3,
-                                   "tokens_per_second": r.throughput_tokens_per_second}}
-        if args.target == "cpu" and r.max_batch:
-            out[name]["decode"] = decode_figures(prog, args.target, scenario, r.max_batch)
-    return out
-
-
-def decode_figures(prog, target: str, scenario, batch: int, context: int | None = None) -> dict:
-    """Decode tokens/s at `batch` and `context` (default: the scenario's mean decode context), measured here
-    (`evaluate.decode_throughput`: one step after a prefill to that context) and predicted by the cost model
-    for that same step, without speculative drafting: one quantity on both sides."""
-    import dataclasses
-
-    from ..backends.cost import CostModel
-    from ..backends.torch import materialize
-    from ..evaluate import decode_throughput
-
-    plain = dataclasses.replace(scenario, mtp_draft=0, mtp_acceptance=0.0)
-    context = context or plain.decode_context
-    step = CostModel(prog, target, plain).decode_step_seconds(batch, context)
-    return {"batch": batch, "context": context, "predicted": batch / step,
-            "measured": decode_throughput(materialize(prog), batch, context)}
-
-
-def bundle(prog, args, out: Path) -> dict:
-    """The target's deployment artifacts: a TensorRT engine bundle for a GPU (engines built here where a
-    builder is), ONNX graphs for onnxruntime on cpu."""
-    from ..backends.cost import get_scenario
-    from ..backends.onnx import export_onnx
-    from ..backends.targets import get_target
-
-    target = get_target(args.target)
-    if target.kind != "gpu":
-        return export_onnx(prog, out, target=args.target, overwrite=True).to_json()
-    from ..backends.tensorrt.bundle import write_bundle
-
-    scenario = get_scenario(args.scenario, recipe=deploy_recipe(args.target) or None)
-    calib = None
-    if scenario.kv_dtype == "fp8":  # the KV cache's scales from the run's own text, as build-engine calibrates
-        from ..passes.quant import calibration_windows
-
-        calib = calibration_windows(args.data or [], KV_CALIBRATION[0], KV_CALIBRATION[1], prog)
-    rep = write_bundle(prog, out, target, scenario, overwrite=True, calibration_ids=calib)
-    return {k: v for k, v in rep.to_json().items() if k != "build"}
-
-
 def run_compress(args) -> int:
-    from .cli import _emit
+    from .common import emit
 
     s = compress(args, progress=not args.json and os.isatty(2))
     plan = s["reports"]["puzzle"][-1]
@@ -412,7 +214,7 @@ def run_compress(args) -> int:
                for k, v in dep.items()),
              _bundle_line(s["outputs"]["bundle"]),
              f"report: {s['report']}/report.md"]
-    _emit(args, s, "\n".join(ln for ln in lines if ln) + "\n")
+    emit(args, s, "\n".join(ln for ln in lines if ln) + "\n")
     return 0
 
 
@@ -424,16 +226,16 @@ def _bundle_line(b: dict) -> str:
 
 
 def run_report(args) -> int:
-    from .cli import _emit
+    from .common import emit
     from .report import write_report
 
     d = write_report(args.output)
-    _emit(args, {"report": str(d), "files": sorted(p.name for p in d.iterdir())}, f"wrote {d}/report.md\n")
+    emit(args, {"report": str(d), "files": sorted(p.name for p in d.iterdir())}, f"wrote {d}/report.md\n")
     return 0
 
 
 def add_parsers(sub, model_help: str, positive_int, positive_float) -> tuple:
-    from .cli import add_workload_arguments
+    from .common import add_workload_arguments
 
     c = sub.add_parser("compress", help="compress a model for a deployment target: search, distill, quantise, "
                                         "export, report (resumable)")

@@ -32,10 +32,10 @@ def summary_rows(lib) -> list[tuple]:
 def run_library(args) -> int:
     from ..ir.printer import format_table
     from ..passes.puzzle import LibrarySettings, build_library
-    from .cli import _emit, _model, compute_of
+    from .common import compute_of, emit, load_model
 
     compute = compute_of(args)
-    prog = _model(args, text=True)
+    prog = load_model(args, text=True)
     settings = LibrarySettings(calib_windows=args.calib_windows, score_windows=args.score_windows, seq=args.seq,
                                bld_tokens=args.bld_tokens, bld_lr=args.bld_lr, data=list(args.data or []))
     start = time.monotonic()
@@ -46,8 +46,8 @@ def run_library(args) -> int:
     if not lib.weightless:
         text += format_table(summary_rows(lib))
     text += f"wrote {lib.path}\n"
-    _emit(args, {"library": str(lib.path), "layers": len(lib.layers()), "variants": len(lib.rows),
-                 "weightless": lib.weightless, "seconds": seconds, "rows": lib.rows}, text)
+    emit(args, {"library": str(lib.path), "layers": len(lib.layers()), "variants": len(lib.rows),
+                "weightless": lib.weightless, "seconds": seconds, "rows": lib.rows}, text)
     return 0
 
 
@@ -82,7 +82,8 @@ def run_plan(args) -> int:
     from ..ir.printer import format_table
     from ..passes.puzzle import Library
     from ..passes.puzzle.search import Search
-    from .cli import UsageError, _emit, scenario_of, warn_unrunnable_recipe
+    from ..errors import UsageError
+    from .common import emit, scenario_of, warn_unrunnable_recipe
 
     lib = Library.open(args.library)
     parent = ir.load(args.parent or lib.manifest["parent"]["source"])
@@ -114,7 +115,7 @@ def run_plan(args) -> int:
             f"{args.method}: objective {plan.objective:.6g} ({plan.score_source} scores), {plan.status}, "
             f"solved in {plan.solve_seconds:.2f} s" + _alternatives_line(plan, args)
             + (f"\nwrote {args.output}" if args.output else "") + "\n")
-    _emit(args, plan.to_json(), text)
+    emit(args, plan.to_json(), text)
     return 0
 
 
@@ -137,7 +138,7 @@ def add_constraint_arguments(p, positive_int, positive_float) -> None:
 def constraints_of(args):
     """search.Constraints from those options; at least one must bound something."""
     from ..passes.puzzle.search import Constraints
-    from .cli import UsageError
+    from ..errors import UsageError
 
     c = Constraints(speedup=args.speedup or 0.0, decode_ms=args.decode_ms or 0.0, prefill_s=args.prefill_s or 0.0,
                     concurrency=args.concurrency or 0, context=args.context or 0, max_params=args.max_params or 0.0,
@@ -150,7 +151,7 @@ def constraints_of(args):
 
 
 def add_plan_parser(sub, positive_int, positive_float):
-    from .cli import _number, add_workload_arguments
+    from .common import add_workload_arguments, number
 
     p = sub.add_parser("plan", help="search a block library for the architecture that meets a deployment target")
     p.add_argument("library", help="a library directory (puzzlekit library)")
@@ -161,12 +162,12 @@ def add_plan_parser(sub, positive_int, positive_float):
     p.add_argument("--recipe", help="weight precisions for costing: bf16, fp8, nvfp4, nvfp4-hybrid")
     add_constraint_arguments(p, positive_int, positive_float)
     add_workload_arguments(p)
-    p.add_argument("--child-mtp-acceptance", type=_number(float, 1),
+    p.add_argument("--child-mtp-acceptance", type=number(float, 1),
                    help="with --mtp: the child's head's acceptance length (default: the parent's)")
     p.add_argument("--uniform", action="append", default=[], help="KIND.AXIS equal in every layer, e.g. mamba2.state")
     p.add_argument("--metric", default="kl", help="score minimised: kl, lm_loss, ... (as recorded)")
     p.add_argument("--method", default="mip", choices=["mip", "uniform", "greedy"])
-    p.add_argument("--alternatives", type=_number(int, 1, MAX_ALTERNATIVES), default=1,
+    p.add_argument("--alternatives", type=number(int, 1, MAX_ALTERNATIVES), default=1,
                    help=f"solutions to report: the best and diverse runners-up (at most {MAX_ALTERNATIVES})")
     p.add_argument("--alternatives-seconds", type=positive_float, default=60.0,
                    help="stop seeking runners-up after this long (default 60)")

@@ -80,11 +80,12 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
     model = materialize(prog, compute=compute)
     gen = torch.Generator().manual_seed(cfg.seed)
     schedule = Schedule(cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio, cfg.weight_decay)
+    identity = {**cfg.identity(), "data": data or [],
+                **({"tokenizer": tokenizer.identity} if tokenizer is not BYTES else {})}  # byte runs resume as before
     run = fit(model, lambda step: loss_fn(model, random_windows(corpus.train, cfg.batch, cfg.seq + 1, gen),
                                           cfg.mtp_weight),
               schedule, rng=gen, state_file=state_file, every=cfg.checkpoint_every,
-              identity={**cfg.identity(), "data": data or [],
-                                **({"tokenizer": tokenizer.identity} if tokenizer is not BYTES else {})}, progress=progress, max_seconds=cfg.max_minutes * 60,
+              identity=identity, progress=progress, max_seconds=cfg.max_minutes * 60,
               postfix=lambda p: {"bpb": f"{p['loss'] / evaluate.LN2:.3f}", "mtp": f"{p['mtp_loss'] / evaluate.LN2:.3f}"})
     step, resumed_from = run.step, run.resumed_from
     model.eval()

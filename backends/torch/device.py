@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -48,11 +50,33 @@ class Compute:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def time(self, fn, timer=time.perf_counter) -> float:
+        """Seconds of one call of `fn`: wall time (by `timer`) on the CPU; on CUDA the device's own time between
+        two events recorded around it, after the queued work. The one way puzzlekit times work."""
+        if self.device.type != "cuda":
+            t0 = timer()
+            fn()
+            return timer() - t0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
     def __str__(self) -> str:
         return f"{self.device}/{str(self.dtype).removeprefix('torch.')}"
 
 
 CPU = Compute()
+
+
+def median_seconds(fn, compute: Compute = CPU, repeats: int = 15, warmup: int = 3) -> float:
+    """The median of `repeats` timed calls (`Compute.time`) after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(compute.time(fn) for _ in range(repeats))
 
 #: parameters per intra-op thread: below it a thread spends more time waiting for the others than computing
 PARAMS_PER_THREAD = 20_000_000

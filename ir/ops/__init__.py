@@ -12,7 +12,7 @@ OPS: dict[str, type[OpSpec]] = {
     c.kind: c for c in (Embed, Norm, LMHead, Mamba2, MoE, Attention, MLP, Noop, Linear, MTP, Opaque)
 }
 #: Nemotron-H layer-pattern letters
-LETTERS: dict[str, type[OpSpec]] = {"M": Mamba2, "E": MoE, "*": Attention, "-": MLP}
+LETTERS: dict[str, type[OpSpec]] = {c.letter: c for c in (Mamba2, MoE, Attention, MLP)}
 LETTER_OF = {c.kind: k for k, c in LETTERS.items()}
 
 __all__ = [

@@ -12,6 +12,7 @@ from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, positive
 @dataclass(frozen=True)
 class Attention(OpSpec):
     kind = "attention"
+    letter = "*"
     is_block = True
     hidden: int
     q_heads: int

@@ -26,6 +26,7 @@ class OpSpec:
     quant: tuple = dataclasses.field(default=(), kw_only=True)
 
     kind: ClassVar[str] = ""
+    letter: ClassVar[str] = ""  # the Nemotron-H layer-pattern letter (M, E, *, -); none for the other kinds
     #: roles of the node's inputs: "hidden" ([B, T, hidden] float) or "ids" ([B, T] integer)
     inputs: ClassVar[tuple[str, ...]] = ("hidden",)
     #: True for residual blocks (one per layer, named backbone.layers.{i})

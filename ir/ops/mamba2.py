@@ -13,6 +13,7 @@ from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, full_precis
 @dataclass(frozen=True)
 class Mamba2(OpSpec):
     kind = "mamba2"
+    letter = "M"
     is_block = True
     hidden: int
     heads: int
@@ -173,6 +174,14 @@ class Mamba2Mixer(nn.Module):
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + s.eps)
         return self.norm.weight * g.reshape(y.shape).to(z.dtype)
 
+    def causal_conv(self, xbc, conv_state):
+        """The depthwise causal conv and SiLU over xbc [b, conv_dim, t] following `conv_state` [b, conv_dim,
+        conv-1] (zeros for a fresh sequence): (its output [b, conv_dim, t], the conv state after it)."""
+        s = self.spec
+        window = torch.cat([conv_state, xbc], dim=-1)  # [b, conv_dim, conv-1+t]
+        new_conv = window[:, :, -(s.conv - 1):] if s.conv > 1 else conv_state
+        return F.silu(F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)), new_conv
+
     def forward(self, u, state=None, decode: bool = False):
         """u [b,t,hidden]; state (conv [b,conv_dim,conv-1], ssm [b,h,p,n]) or None for a fresh sequence."""
         s = self.spec
@@ -183,9 +192,8 @@ class Mamba2Mixer(nn.Module):
             ssm_state = u.new_zeros(b, s.heads, s.head_dim, s.state, dtype=torch.float32)
         else:
             conv_state, ssm_state = state
-        window = torch.cat([conv_state, xbc.transpose(1, 2)], dim=-1)  # [b, conv_dim, conv-1+t]
-        new_conv = window[:, :, -(s.conv - 1):] if s.conv > 1 else conv_state
-        xbc = F.silu(F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=s.conv_dim)).transpose(1, 2)
+        xbc, new_conv = self.causal_conv(xbc.transpose(1, 2), conv_state)
+        xbc = xbc.transpose(1, 2)
         x, B, C = xbc.split([s.inner, s.groups * s.state, s.groups * s.state], dim=-1)
         with full_precision(u):  # the scan and its state in float32, whatever the forward's precision
             dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=s.dt_min)

@@ -12,6 +12,7 @@ from .moe import _MLP
 @dataclass(frozen=True)
 class MLP(OpSpec):
     kind = "mlp"
+    letter = "-"
     is_block = True
     hidden: int
     d_ff: int

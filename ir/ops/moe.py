@@ -13,6 +13,7 @@ from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, full_precis
 @dataclass(frozen=True)
 class MoE(OpSpec):
     kind = "moe"
+    letter = "E"
     is_block = True
     hidden: int
     experts: int
@@ -165,12 +166,14 @@ class MoEMixer(nn.Module):
             self.fc1_latent_proj = nn.Linear(s.hidden, s.latent, bias=False)
             self.fc2_latent_proj = nn.Linear(s.latent, s.hidden, bias=False)
 
-    def route(self, x):
-        """x [n, hidden] -> (chosen expert ids [n, k], their weights [n, k]) in float32."""
+    def route(self, x, bias=None):
+        """x [n, hidden] -> (chosen expert ids [n, k], their weights [n, k]) in float32. `bias` [experts] is
+        added to the selection scores only (importance removes an expert with -inf there: re-routing)."""
         s = self.spec
         with full_precision(x):
             scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
-        chosen = torch.topk(scores + self.gate.e_score_correction_bias.float(), s.top_k, dim=-1).indices
+        select = scores + self.gate.e_score_correction_bias.float()
+        chosen = torch.topk(select if bias is None else select + bias, s.top_k, dim=-1).indices
         w = scores.gather(1, chosen)
         if s.norm_topk:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)

@@ -28,9 +28,7 @@ class MTP(OpSpec):
 
     @property
     def pattern(self) -> str:
-        from . import LETTER_OF
-
-        return "".join(LETTER_OF.get(b.kind, "?") for b in self.blocks)
+        return "".join(b.letter or "?" for b in self.blocks)
 
     def params(self):
         h, last = self.hidden, len(self.blocks) - 1

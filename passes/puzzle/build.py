@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ...backends.torch.device import CPU, Compute
 from ...backends.torch.stream import StreamedProgram
 from ...ir import Program, print_program
-from ...outputs import check_output, write_json
+from ...outputs import atomic_file, check_output, write_json
 from ...training import barrier, distributed
 from .bld import block_module, distill_block, linear_fit, nmse, seed_of
 from .grid import Variant, check_grid, load_grid, variants
@@ -122,9 +122,8 @@ class LayerInputs:
     def write(self, layer: int, x: torch.Tensor) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         f = self.dir / f"L{layer:03d}.safetensors"
-        tmp = f.with_name(f".{f.name}.tmp")
-        save_file({"x": x.detach().contiguous().cpu()}, str(tmp))
-        tmp.replace(f)
+        with atomic_file(f) as tmp:
+            save_file({"x": x.detach().contiguous().cpu()}, str(tmp))
 
     def finish(self) -> None:
         write_json(self.dir / "done.json", {"complete": True})
@@ -137,11 +136,10 @@ def library_windows(s: LibrarySettings, prog: Program) -> tuple[torch.Tensor, to
     """(calibration windows [n, seq] from the training split, windows [m, seq + 1] of the held-out set the
     scores are measured on: the search minimises them, so no reported figure may use that text), in the
     program's own tokenization."""
-    from ...data import corpus_for, held_out_windows, sequential_windows
+    from ...data import calibration_windows, corpus_for, held_out_windows
 
-    corpus = corpus_for(prog, s.data or None)
-    return (sequential_windows(corpus.train, s.seq, limit=s.calib_windows),
-            held_out_windows(corpus, SCORED_ON, s.seq + 1, limit=s.score_windows))
+    return (calibration_windows(s.data, s.calib_windows, s.seq, prog),
+            held_out_windows(corpus_for(prog, s.data or None), SCORED_ON, s.seq + 1, limit=s.score_windows))
 
 
 def _sweep_parent(prog: Program, out: Path, s: LibrarySettings, known: dict | None, compute: Compute) -> None:

@@ -17,7 +17,6 @@ Ranks are stored (most important first), not scores.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...ir import Program
 from ...ir.ops.base import relu2
@@ -51,30 +50,25 @@ def _mlp_stats(mixer, h, acc: _Sums, prefix: str = "") -> None:
 def _moe_stats(mixer, h, acc: _Sums) -> None:
     s = mixer.spec
     flat = h.reshape(-1, s.hidden)
-    scores = torch.sigmoid(F.linear(flat.float(), mixer.gate.weight.float()))
     lat = mixer.fc1_latent_proj(flat) if s.latent else flat
     up = torch.stack([e.up_proj.weight for e in mixer.experts])
     down = torch.stack([e.down_proj.weight for e in mixer.experts])
     a = relu2(torch.einsum("nw,efw->nef", lat, up))  # [n, E, d_ff]
     out = torch.einsum("nef,ewf->new", a, down)  # every expert's output for every token
 
-    def routed(mask):
-        sel = scores + mixer.gate.e_score_correction_bias.float() + mask
-        chosen = torch.topk(sel, s.top_k, dim=-1).indices
-        w = scores.gather(1, chosen)
-        if s.norm_topk:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        mix = torch.zeros_like(scores).scatter(1, chosen, w * s.scaling)
+    def routed(mask):  # the op's own routing, with `mask` on the selection scores
+        chosen, w = mixer.route(flat, mask)
+        mix = torch.zeros(flat.shape[0], s.experts, device=flat.device).scatter(1, chosen, w)
         return torch.einsum("new,ne->nw", out, mix.to(out.dtype)), mix != 0
 
-    y, chosen = routed(torch.zeros(s.experts, device=scores.device))
+    y, chosen = routed(torch.zeros(s.experts, device=flat.device))
     acc.add("routing", chosen.float().sum(0))
     acc.add("tokens", torch.tensor(float(flat.shape[0])))
     acc.add("d_ff", (a.abs() * chosen[..., None]).sum(0))  # [E, d_ff] over routed tokens
     acc.add("y2", y.pow(2).sum())
     damage = []
     for e in range(s.experts):
-        mask = torch.zeros(s.experts, device=scores.device)
+        mask = torch.zeros(s.experts, device=flat.device)
         mask[e] = float("-inf")
         damage.append((routed(mask)[0] - y).pow(2).sum())
     acc.add("damage", torch.stack(damage))
@@ -97,8 +91,8 @@ def _attention_stats(mixer, y_heads, acc: _Sums) -> None:
 def _mamba_state_stats(mixer, proj, acc: _Sums) -> None:
     s = mixer.spec
     inner, gn = s.inner, s.groups * s.state
-    xbc = proj[..., inner:inner + s.conv_dim].transpose(1, 2)  # [b, conv_dim, t], causal conv as in the mixer
-    conv = F.silu(F.conv1d(F.pad(xbc, (s.conv - 1, 0)), mixer.conv1d.weight, mixer.conv1d.bias, groups=s.conv_dim))
+    xbc = proj[..., inner:inner + s.conv_dim].transpose(1, 2)  # [b, conv_dim, t]
+    conv, _ = mixer.causal_conv(xbc, xbc.new_zeros(xbc.shape[0], s.conv_dim, s.conv - 1))  # a fresh sequence
     b, c = conv[:, inner:inner + gn], conv[:, inner + gn:]
     acc.add("state", (b * c).abs().sum((0, 2)))
 
@@ -200,6 +194,6 @@ def importance(prog: Program, am: AnalysisManager, samples: int = 32, seq: int =
                device: str = "cpu") -> dict:
     """Ranks of every prunable unit (see passes.puzzle.importance) on `samples` calibration windows."""
     from ...backends.torch.device import resolve
-    from ..quant import calibration_windows
+    from ...data import calibration_windows
 
     return compute_importance(prog, calibration_windows(list(data), samples, seq, prog), compute=resolve(device))

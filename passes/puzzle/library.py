@@ -13,7 +13,6 @@ assembled from them. A library belongs to one parent: opening it with another mo
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,7 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ...ir import Program, print_program
+from ...ir import Program
+from ...ir.identity import program_hash
 from ...ir.checkpoint import spec_from_dict, spec_to_dict
 from ...ir.weights import lazy_tensors
 from ...ir.ops import Linear, Noop, OpSpec
@@ -40,18 +40,8 @@ class LibraryError(PassError):
     """A library directory is missing, incomplete, or belongs to another parent."""
 
 
-def parent_hash(prog: Program) -> str:
-    """sha256 of the program text and every tensor's dtype, shape and bytes (the text alone for meta weights)."""
-    h = hashlib.sha256(print_program(prog).encode())
-    w = prog.weights
-    for name in sorted(w.names()):
-        if w.is_meta(name):
-            continue
-        t = w.get(name)
-        t = t if isinstance(t, torch.Tensor) else t.dequantize()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+#: the parent's identity (a library, its later rounds and distillation runs compare it)
+parent_hash = program_hash
 
 
 def _keep(ax, ranks, n: int):

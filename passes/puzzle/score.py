@@ -37,9 +37,6 @@ class Scorer:
         with self.stream.compute.autocast():
             return head(norm(x)).float()
 
-    def score(self, layer: int, block) -> dict:
-        return self.score_layer(layer, [block])[0]
-
     @torch.no_grad()
     def score_layer(self, layer: int, blocks: list) -> list[dict]:
         """KL, LM loss and top-1 agreement of the parent with each of `blocks` in place of layer `layer`."""

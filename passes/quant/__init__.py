@@ -6,8 +6,7 @@ import sys
 from dataclasses import field
 from typing import ClassVar
 
-import torch
-
+from ...data import calibration_windows
 from ..core import ComputePass, PassError, Preserved, pipeline_data, register
 from ..manager import progress
 from .calibrate import ActivationAmax, input_scale, quantize_weight
@@ -16,6 +15,7 @@ from ...ir.quant.formats import FP8Tensor, NVFP4Tensor, QuantError, fake_quantiz
 from ...ir.quant.recipe import FORMATS, RECIPES, Recipe, Rule, get_recipe
 
 __all__ = [
+    "calibration_windows",
     "FORMATS",
     "RECIPES",
     "FP8Tensor",
@@ -36,14 +36,6 @@ __all__ = [
 class Calib(enum.Enum):
     amax = "amax"
     mse = "mse"
-
-
-def calibration_windows(data: list[str], samples: int, seq: int, prog) -> torch.Tensor:
-    """`samples` windows of `seq` tokens (in the program's own tokenization) from the training split:
-    evaluation scores the held-out split."""
-    from ...data import corpus_for, sequential_windows
-
-    return sequential_windows(corpus_for(prog, data or None).train, seq, limit=samples)
 
 
 @register("quantize")

@@ -1,0 +1,226 @@
+"""What every `puzzlekit` command shares: argument types and groups, the model and device a command runs on,
+its scenario, plugins, provenance, and one way to print results (text or --json). Each command family's module
+imports this, never the CLI that wires them."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import importlib.util
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+
+from ..errors import UsageError
+
+#: generation lengths (tokens per prompt, draft tokens) above this are refused: decoding a million tokens one
+#: at a time takes hours, and a bigger number is a typo rather than a plan
+MAX_TOKENS = 1_000_000
+#: ONNX opsets export-onnx writes: torch's exporter emits opset 18 and converts upwards; TensorRT reads up to 24
+OPSETS = (18, 24)
+
+
+def number(cast, lo, hi=None, above: bool = False):
+    """An argparse type: a finite number >= lo (> lo with `above`) and <= hi. argparse reports a bad value
+    with the option's name and exit code 2, rather than it being clamped or failing deep inside a command."""
+    what = "an integer" if cast is int else "a finite number"
+
+    def parse(s: str):
+        try:
+            v = cast(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not {what}") from None
+        if (cast is float and not math.isfinite(v)) or v < lo or (above and v == lo) or (hi is not None and v > hi):
+            bound = f"{'>' if above else '>='} {lo:g}" + (f" and <= {hi:,}" if hi is not None else "")
+            raise argparse.ArgumentTypeError(f"must be {what} {bound}, got {s}")
+        return v
+
+    return parse
+
+
+positive_int = number(int, 1)
+positive_float, nonneg_float = number(float, 0, above=True), number(float, 0)
+token_count = number(int, 1, MAX_TOKENS)
+
+
+def add_compute_arguments(parser) -> None:
+    """`--device` and `--dtype` for a command that computes (see backends.torch.device)."""
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: CUDA when available; "
+                                                         "under torchrun each rank takes cuda:LOCAL_RANK)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the forward's precision (auto: bfloat16 on CUDA, float32 on CPU); weights, optimizer "
+                             "state and losses stay float32")
+    parser.add_argument("--threads", type=int, default=0, metavar="N",
+                        help="CPU threads per process (default: one per 20M parameters, at most the CPUs this "
+                             "process may use)")
+    parser.add_argument("--max-memory", default="", metavar="SIZE",
+                        help="host memory for weights and activations, e.g. 24GB (default: half of what is available); "
+                             "a larger model is run layer by layer from its checkpoint")
+
+
+DATA_HELP = ("text files, directories, .jsonl (text, chat messages, or prompt/completion per line), .parquet, a "
+             "datasets directory (save_to_disk) or a hub dataset (owner/name[:split]); default: the Python stdlib")
+
+
+def add_text_arguments(parser, data: bool = True) -> None:
+    """`--tokenizer` (and `--data`) for a command that turns text into the model's token ids."""
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="the model's tokenizer: a directory of tokenizer files or a hub id (default: the one beside "
+                             "the checkpoint; byte-level models use their byte codec)")
+    if data:
+        parser.add_argument("--data", nargs="*", help=DATA_HELP)
+
+
+def add_workload_arguments(parser, mtp: bool = True) -> None:
+    """The workload a target is priced at, over the named --scenario (or a scenario .toml file): lengths, the
+    per-user rate floor, GPUs, the parallel layout and (with `mtp`) speculative decoding with the MTP head."""
+    g = parser.add_argument_group("workload (overrides the scenario's)")
+    g.add_argument("--input-len", type=number(int, 1), help="prompt tokens per request")
+    g.add_argument("--output-len", type=number(int, 1), help="generated tokens per request")
+    g.add_argument("--rate-floor", type=nonneg_float, help="tokens/s each user must see (0: none)")
+    g.add_argument("--gpus", type=positive_int, help="devices to use (default: all of the target's)")
+    g.add_argument("--layout", help="pin a parallel layout, e.g. tp8, tp8.ep8, tp1.dp8.ep8, tp2.r4 (default: the "
+                                    "best one is searched)")
+    if not mtp:
+        return
+    g.add_argument("--mtp", action="store_true", help="serve with speculative decoding: the MTP head drafts "
+                                                      "--mtp-draft tokens per step")
+    g.add_argument("--mtp-draft", type=positive_int, default=3, help="tokens drafted per step with --mtp (default 3)")
+    g.add_argument("--mtp-acceptance", type=number(float, 1),
+                   help="mean tokens per step with --mtp (default: what mtp-check measured, from the checkpoint)")
+
+
+def measured_acceptance(prog) -> dict | None:
+    """The MTP acceptance mtp-check measured in the run that wrote `prog` ({"length", "drafts"}), if any."""
+    prov = prog.meta.get("provenance") or prog.meta.get("config", {}).get("provenance") or {}
+    return prov.get("mtp_acceptance")
+
+
+def scenario_of(args, prog=None, name: str | None = None, **more):
+    """The scenario named by --scenario (or `name`) with the workload options (and `more` fields) applied."""
+    from ..backends.cost import get_scenario
+
+    over = {"input_len": args.input_len, "output_len": args.output_len, "rate_floor": args.rate_floor,
+            "gpus": args.gpus, "layout": args.layout, **more}
+    if getattr(args, "mtp", False):
+        measured = measured_acceptance(prog) if prog is not None else None
+        acceptance = args.mtp_acceptance or (measured or {}).get("length")
+        if not acceptance:
+            raise UsageError("--mtp needs the head's acceptance length: give --mtp-acceptance (mean tokens per step), "
+                             "or price a checkpoint written by a pipeline that ran mtp-check")
+        drafts = args.mtp_draft if args.mtp_acceptance or not measured else measured.get("drafts", args.mtp_draft)
+        over |= {"mtp_draft": drafts, "mtp_acceptance": acceptance}
+    return get_scenario(name or args.scenario, **over)
+
+
+def compute_of(args):
+    """The command's device and precision, refused here (exit 2) when this machine has no such device."""
+    from ..backends.torch.device import resolve
+
+    return resolve(args.device, args.dtype, args.max_memory)
+
+
+def emit(args, data: dict, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text, end="" if not args.json and text.endswith("\n") else "\n")
+
+
+def _import_plugin(m: str) -> None:
+    """A module name, or the path of a `.py` file (imported under its file name)."""
+    if not m.endswith(".py"):
+        importlib.import_module(m)
+        return
+    f = Path(m)
+    if not f.is_file():
+        raise UsageError(f"cannot import plugin {m!r}: no such file")
+    spec = importlib.util.spec_from_file_location(f"puzzlekit_plugin_{f.stem}", f)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
+def load_plugins(modules: list[str]) -> None:
+    """Imports each --plugin (a module, or a path to a .py file); whatever goes wrong in one is reported as
+    that plugin's fault (exit 2)."""
+    if modules and "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # like `python -m`: a plugin module in the current directory is found
+    for m in modules or []:
+        try:
+            _import_plugin(m)
+        except ModuleNotFoundError as e:
+            if e.name and (m == e.name or m.startswith(e.name + ".")):
+                raise UsageError(f"cannot import plugin {m!r}: {e}; is it on PYTHONPATH?") from None
+            raise UsageError(f"cannot import plugin {m!r}: it imports a missing module: {e}") from e
+        except SyntaxError as e:
+            raise UsageError(f"cannot import plugin {m!r}: syntax error in {e.filename}, line {e.lineno}: "
+                             f"{e.msg}") from e
+        except UsageError:
+            raise
+        except SystemExit as e:
+            raise UsageError(f"cannot import plugin {m!r}: it called sys.exit({e.code!r}) while being imported") from e
+        except Exception as e:
+            raise UsageError(f"cannot import plugin {m!r}: importing it raised {type(e).__name__}: {e}") from e
+
+
+def load_model(args, text: bool = False):
+    """The command's model, with the CPU threads chosen for its size (--threads overrides) and the tokenizer
+    --tokenizer names; with `text` (the command reads or writes text) its tokenizer is checked now, before any
+    work: a subword model without one is refused."""
+    from .. import ir
+    from ..backends.torch.device import use_threads
+    from ..tokenizer import set_tokenizer, tokenizer_of
+    from .default_model import model_path
+
+    prog = ir.load(model_path(args.model))
+    set_tokenizer(prog, getattr(args, "tokenizer", None))
+    if text:
+        tokenizer_of(prog)
+    use_threads(prog.param_counts()["total"], getattr(args, "threads", 0))
+    return prog
+
+
+def reads_text(passes) -> bool:
+    """Whether a pipeline has a pass that runs the model on text (one with a `data` option), nested ones too."""
+    return any(hasattr(p, "data") or reads_text(getattr(p, "body", None) or []) for p in passes)
+
+
+def file_hashes(src: Path) -> dict[str, str]:
+    files = sorted(p for p in (src.iterdir() if src.is_dir() else [src]) if p.is_file())
+    out = {}
+    for f in files:
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        out[f.name] = h.hexdigest()
+    return out
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("puzzlekit", "torch", "safetensors", "onnx", "onnxruntime"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def warn_unrunnable_recipe(recipe: str | None, targets) -> None:
+    """Prices a recipe the GPU cannot run (W4A4 NVFP4 on Hopper) with a warning on stderr saying what it does
+    there, rather than without a word (build-engine and quantize refuse it)."""
+    from ..backends.targets import get_target
+    from ..ir.quant.recipe import get_recipe
+
+    if not recipe:
+        return
+    for name in targets:
+        t = get_target(name)
+        if t.kind == "gpu" and any(r.format == "nvfp4" for r in get_recipe(recipe).rules) and not t.supports("nvfp4"):
+            print(f"warning: recipe {recipe!r} computes in NVFP4 (W4A4), which {t.name} cannot: it has no FP4 tensor "
+                  "cores, and build-engine and quantize refuse it there. On Hopper NVFP4 weights are only storage "
+                  "(recipe nvfp4-weight: dequantised to FP8/BF16 for every matmul); these figures assume FP4 "
+                  f"kernels. Price `--recipe fp8` or `--recipe nvfp4-weight` for {t.name}", file=sys.stderr)

@@ -1,0 +1,150 @@
+"""`puzzlekit train`, `eval` and `generate`: the commands that run a model on text (in its own tokenization)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..outputs import check_output
+from ..errors import UsageError
+from .common import compute_of, emit, load_model
+
+
+def train(args) -> int:
+    from .train import TrainConfig
+    from .train import train as run_training
+
+    compute = compute_of(args)
+    out = check_output(args.output, args.data or [], overwrite=True)
+    if out.is_dir() and any(out.iterdir()) and not (out / "train_state.pt").exists():
+        raise UsageError(f"{out} is not empty and holds no training run; choose a new -o "
+                         "(the same -o again resumes a run)")
+    cfg = TrainConfig(steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
+                      checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes)
+    tokenizer = None
+    if args.tokenizer:
+        from ..tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    m = run_training(Path(args.output), cfg, args.data, progress=not args.json, compute=compute, tokenizer=tokenizer)
+    text = (f"step {m['step']}/{cfg.steps} in {m['train_seconds']:.0f} s\n"
+            f"validation bits per byte {m['valid_bits_per_byte']:.3f} (unigram baseline "
+            f"{m['unigram_bits_per_byte']:.3f}) on {m['valid_bytes']:,} bytes ({m['valid_tokens']:,} tokens)\n"
+            f"MTP top-1 accuracy {m['mtp_top1_accuracy']:.3f}\nwrote {Path(args.output) / 'model'}\n")
+    emit(args, m, text)
+    return 0
+
+
+def evaluate(args) -> int:
+    from .. import evaluate, ir
+    from ..backends.torch.stream import StreamedProgram
+    from ..data import corpus_for, held_out_windows
+    from ..tokenizer import check_shared, set_tokenizer, vocab_of
+    from .default_model import model_path
+
+    compute = compute_of(args)
+    if args.k > args.new_tokens:
+        raise UsageError(f"--k {args.k} drafts more tokens per step than --new-tokens {args.new_tokens} generates")
+    prog = ir.verify(load_model(args, text=True))
+    teacher = None
+    if args.teacher:  # before any work: the two must share a tokenizer
+        teacher = ir.verify(ir.load(model_path(args.teacher)))
+        set_tokenizer(teacher, args.tokenizer)
+        check_shared(prog, teacher)
+    corpus = corpus_for(prog, args.data, progress=not args.json and sys.stderr.isatty())
+    windows = held_out_windows(corpus, "report", args.seq + 1, limit=args.windows)
+    if len(windows) < args.prompts:
+        raise UsageError(f"--prompts {args.prompts} needs as many held-out windows; there are {len(windows)} "
+                         f"(--windows {args.windows}, {len(corpus.held_out('report')):,} tokens in the report set)")
+    model = StreamedProgram(prog, compute)
+    text = evaluate.text_metrics(model, windows, corpus.token_bytes)
+    res = {"model": str(model_path(args.model)), "compute": str(compute), "tokenizer": corpus.tokenizer.name,
+           "valid_bytes": text["bytes"], "valid_tokens": text["tokens"], "bits_per_byte": text["bits_per_byte"],
+           "nll_per_token": text["nll_per_token"], "perplexity": text["perplexity"],
+           "unigram_bits_per_byte": evaluate.unigram_bits_per_byte(corpus.train, windows, vocab_of(prog),
+                                                                   corpus.token_bytes)}
+    if model.program.find("mtp"):
+        res["mtp_top1_accuracy"] = evaluate.mtp_accuracy(model, windows)
+        prompts = windows[: args.prompts, : args.seq // 2]
+        res["acceptance_length"] = evaluate.acceptance_length(model, prompts, args.k, args.new_tokens)
+        res["draft_tokens"] = args.k
+    if teacher is not None:
+        res.update(evaluate.teacher_agreement(StreamedProgram(teacher, compute), model, windows))
+    lines = [f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in res.items()]
+    emit(args, res, "\n".join(lines) + "\n")
+    return 0
+
+
+def greedy(prefill, decode, n: int, logits_of, model=None, stop: int | None = None):
+    """Up to `n` greedy tokens [batch, <= n] from `prefill()` and `decode(tokens, state)`, which return (outputs,
+    state); it ends early once every row has produced `stop` (EOS), as transformers' generate does. Non-finite
+    logits stop it naming the likely cause, rather than decoding NaN as token 0."""
+    import numpy as np
+
+    from ..evaluate import check_finite
+
+    outs, state = prefill()
+    new = []
+    for i in range(n):
+        where = "prefill" if i == 0 else f"decode step {i}"
+        logits = check_finite(np.asarray(logits_of(outs))[:, -1], f"logits at {where}", model)
+        new.append(logits.argmax(-1))
+        if stop is not None:
+            done = np.any(np.stack(new, axis=1) == stop, axis=1)
+            if done.all():
+                break
+        if i + 1 < n:
+            outs, state = decode(new[-1], state)
+    return np.stack(new, axis=1)
+
+
+def cached_onnx(prog) -> Path:
+    """The program's ONNX export, made once per program (keyed by its hash: text and weights) under
+    $PUZZLEKIT_CACHE/onnx (default ~/.cache/puzzlekit/onnx), so that generate does not export on every call."""
+    from ..backends.onnx import export_onnx
+    from ..outputs import cache_dir
+    from ..ir.identity import program_hash
+
+    d = cache_dir("onnx") / program_hash(prog)[:32]
+    if not (d / "prefill.onnx").exists():  # the export is staged and renamed into place: complete or absent
+        export_onnx(prog, d)
+    return d
+
+
+def generate(args) -> int:
+    import numpy as np
+    import torch
+
+    from .. import ir
+    from ..backends.torch import materialize
+    from ..tokenizer import tokenizer_of
+
+    compute = compute_of(args)
+    prog = ir.verify(load_model(args, text=True))
+    tok = tokenizer_of(prog)
+    text = tok.render_chat([{"role": "user", "content": args.prompt}], generation_prompt=True) if args.chat \
+        else args.prompt
+    prompt = tok.prompt(text)[None]
+    if not args.prompt or prompt.size == 0:
+        raise UsageError("the prompt is empty")
+    if args.backend == "onnx":
+        from ..backends.onnx import OnnxModel
+
+        fp4 = sorted({f for n in prog.nodes for _, f in n.op.quant if f.startswith("nvfp4")})
+        if fp4:
+            raise UsageError(f"--backend onnx: the model is quantized with {', '.join(fp4)}, and onnxruntime has no FP4 "
+                             "kernels (its FP4 ops are TensorRT's); use --backend torch, or build engines for an FP4 "
+                             "GPU with build-engine")
+        om = OnnxModel(cached_onnx(prog))
+        new = greedy(lambda: om.prefill(prompt), om.decode, args.max_new_tokens, lambda outs: outs["logits"],
+                      stop=tok.eos_id)
+    else:
+        m = materialize(prog, compute=compute)
+        with torch.no_grad():
+            new = greedy(lambda: m.prefill(torch.from_numpy(prompt)),
+                          lambda t, state: m.decode(torch.from_numpy(t), state), args.max_new_tokens,
+                          lambda outs: outs[0].float().cpu().numpy(), m, stop=tok.eos_id)
+    completion = tok.decode(new[0])
+    tokens = np.concatenate([prompt, new], 1)[0].tolist()
+    emit(args, {"prompt": args.prompt, "completion": completion, "tokens": tokens, "new_tokens": new[0].tolist(),
+                "backend": args.backend, "tokenizer": tok.name}, text + completion + "\n")
+    return 0
