@@ -3,7 +3,7 @@
 Run: python benchmarks/calibration.py [--json] [--sensitivity] [--fit launch_seconds]
 
 - calibration set: the points the constants without a kernel-level source were set on (`--fit NAME` prints the
-  calibration error over a grid of one constant; the value kept is in backends/cost.py: Efficiency);
+  calibration error over a grid of one constant; the value kept is in backends/cost/analytic.py: Efficiency);
 - validation set: points never used to set a constant, each with its error (goal: within x/÷1.3);
 - the published Puzzle-75B deployment claims, child = tests/fixtures/puzzle75b.py, NVFP4 (the public
   Super recipe), FP8 KV cache, the best layout for each model; with `--sensitivity`, each headline ratio at

@@ -62,7 +62,7 @@ def _wrap_route(mixer, hook):
 @analysis("cost")  # weights matter too: measured routing and quantized weights
 def cost_analysis(prog: Program, am: AnalysisManager, target: str = "h100", scenario: str = "decode-heavy",
                   recipe: str = "", measured_routing: bool = False) -> dict:
-    """The cost model's report (backends/cost.py) for a target and a named scenario, in its best layout; with
+    """The cost model's report (backends/cost/) for a target and a named scenario, in its best layout; with
     measured_routing, MoE decode reads the experts the `routing` analysis saw being chosen."""
     from ..backends.cost import best_layout, get_scenario
 

@@ -21,7 +21,7 @@ from puzzlekit.tools.default_model import config_path
 
 SUPER = config_path("nemotron-3-super-120b-a12b")
 NANO = config_path("nemotron-3-nano-30b-a3b")
-ckpt_module = importlib.import_module("puzzlekit.ir.checkpoint")
+ckpt_module = importlib.import_module("puzzlekit.ir.checkpoint_write")  # save() and its save_file
 
 
 # -- helpers ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from puzzlekit import ir
-from puzzlekit.ir.checkpoint import config_of
+from puzzlekit.ir.checkpoint import configs
 from puzzlekit.ir.nemotron_h_puzzle import Unpublishable
 from puzzlekit.backends.cost import get_scenario
 from puzzlekit.backends.layout import Layout
@@ -45,7 +45,7 @@ def test_the_default_profile_gives_a_child_every_engine_loads(meta_lib, method, 
     assert {n.op.kind for n in child.blocks()} <= {"mamba2", "moe", "attention", "mlp"}
     for kind, attrs in (MAMBA, ATTENTION, MLP):
         assert len({tuple(getattr(n.op, a) for a in attrs) for n in child.blocks(kind)}) == 1, kind
-    assert_served(child, config_of(child))
+    assert_served(child, configs(child)[0])
 
 
 def test_lifting_the_rules_finds_a_better_child_the_engines_cannot_load(meta_lib):
@@ -54,7 +54,7 @@ def test_lifting_the_rules_finds_a_better_child_the_engines_cannot_load(meta_lib
     plan = free.plan()
     assert plan.objective < served.objective  # the rules cost score: the report shows how much
     with pytest.raises(Unpublishable, match="extended"):
-        config_of(free.child(free.rows_of(plan)))
+        configs(free.child(free.rows_of(plan)))
     with pytest.raises(PassError, match="infeasible") as e:
         _search(lib, parent, "all", 3.0).plan()  # reachable only with what no engine loads
     assert "profile 'all'" in str(e.value) and "engine=none" in str(e.value)  # the way out is named

@@ -31,8 +31,9 @@ TINY = dict(steps=4, batch=4, seq=32, eval_every=2, eval_windows=2, warmup=1, lr
 PLUGIN = '''
 import json, os
 from puzzlekit.passes import distill as d
+from puzzlekit.passes.distill import sharding
 
-_shard, _distill = d.shard_model, d.distill
+_shard, _distill = sharding.shard_model, d.distill
 OUT = os.environ["PROBE_DIR"]
 RANK = os.environ.get("RANK", "0")
 
@@ -50,7 +51,7 @@ def distill(*args, **kw):
         json.dump({k: report[k] for k in ("steps", "resumed_from", "evals", "best", "log", "after", "shard")}, f)
     return report
 
-d.shard_model, d.distill = shard_model, distill
+sharding.shard_model, d.distill = shard_model, distill
 
 @d.register_callback("test-crash")
 class Crash:
@@ -348,7 +349,7 @@ def test_stored_teacher_logits_train_like_the_live_teacher_and_are_computed_once
     live = distill(live_child, parent, Distill(**kl_only))
     store = tmp_path / "logits"
     # one step per file (as a long run has many): a file lost to a kill is written again, the others are kept
-    monkeypatch.setattr(distill_module, "CHUNK_BYTES", TINY["batch"] * TINY["seq"] * 256 * 8)
+    monkeypatch.setattr(distill_module.teacher_store, "CHUNK_BYTES", TINY["batch"] * TINY["seq"] * 256 * 8)
     stored_child = _child(parent)
     stored = distill(stored_child, parent, Distill(**kl_only, teacher_logits=str(store), topk=256))
     files = sorted(p.name for p in store.iterdir())

@@ -98,6 +98,20 @@ def test_no_import_circle():
     assert not cycles, f"import circles: {cycles[:5]}"
 
 
+def test_no_circle_between_sibling_packages():
+    """Packages (`passes.distill`, `passes.puzzle`, `ir.ops`, `ir.quant`, ...) do not import each other both ways
+    either, through any of their modules."""
+    import networkx as nx
+
+    def package(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 else module
+
+    g = nx.DiGraph((package(a), package(b)) for a, b in import_graph().edges() if package(a) != package(b))
+    cycles = sorted(sorted(c) for c in nx.simple_cycles(g))
+    assert not cycles, f"package circles: {cycles[:5]}"
+
+
 def test_the_circle_check_sees_function_level_imports():
     known = {"passes.distill", "passes.puzzle.library", "passes.puzzle", "ir"}
     text = "from .. import ir\ndef f():\n    from .puzzle.library import parent_hash\n"

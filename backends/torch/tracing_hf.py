@@ -1,11 +1,11 @@
-"""Converters for transformers' NemotronH modules (imported by ir.tracing when transformers is installed)."""
+"""Converters for transformers' NemotronH modules (imported by tracing when transformers is installed)."""
 from __future__ import annotations
 
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
 from ...errors import TraceError
 from ...ir.ops import MLP, Attention, Mamba2, MoE, Norm
-from .tracing import Converted, register_module
+from .trace_registry import Converted, register_module
 
 
 def _mixer_spec(blk, hidden: int, eps: float):

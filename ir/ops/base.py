@@ -11,9 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: quantization formats: name -> (weight format, activation format or None)
-QUANT_FORMATS = {"fp8": ("fp8", "fp8"), "fp8-weight": ("fp8", None), "nvfp4": ("nvfp4", "nvfp4"),
-                 "nvfp4-weight": ("nvfp4", None)}
+from ..quant.formats import QUANT_FORMATS
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,10 @@ import torch
 
 from ...errors import PuzzlekitError
 
+#: quantization formats a block's weights are recorded in: name -> (weight format, activation format or None)
+QUANT_FORMATS = {"fp8": ("fp8", "fp8"), "fp8-weight": ("fp8", None), "nvfp4": ("nvfp4", "nvfp4"),
+                 "nvfp4-weight": ("nvfp4", None)}
+
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fnmatch import fnmatch
 
-from ..ops.base import QUANT_FORMATS as FORMATS  # noqa: F401  (format -> (weights, activations))
+from .formats import QUANT_FORMATS as FORMATS  # noqa: F401  (format -> (weights, activations))
 from .formats import QuantError
 
 

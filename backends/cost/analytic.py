@@ -1,0 +1,173 @@
+"""The analytic roofline provider for GPU targets: its efficiencies and the per-kernel roofline.
+
+Apart from the cost model: it prices one op at one shape; the calibration benchmark tunes `Efficiency`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..targets import Target
+from .precision import BYTES, MATH
+from .provider import Deployment
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of datasheet peaks a serving engine reaches, per kind of kernel, and fixed costs.
+
+    One set for every target; docs/cost-model.md gives each value's source."""
+
+    compute: float = 0.6  # dense GEMMs with many rows
+    memory: float = 0.8  # streaming weight reads
+    moe_half_tokens: float = 64.0  # tokens per expert at which a grouped GEMM reaches half of `compute`
+    attention_compute: float = 0.75  # fused (flash) attention, prefill
+    attention_memory: float = 0.5  # decode attention reading the (paged) KV cache
+    mamba_compute: float = 0.2  # chunked SSD scan and causal conv, prefill
+    mamba_memory: float = 0.25  # decode state update: reads and writes the SSM state (set on the calibration set)
+    link: float = 0.41  # fraction of the (bidirectional) NVLink bandwidth a collective's bus bandwidth reaches
+    launch_seconds: float = 6e-6  # per kernel in a captured graph: launch, ramp and tail (a floor for tiny ops)
+    step_overhead_seconds: float = 30e-6  # scheduling, sampling, host work per step
+    collective_latency_seconds: float = 6e-6  # per collective (all-reduce, all-to-all) over NVLink
+
+    def moe(self, tokens_per_expert: float) -> float:
+        """Grouped-GEMM compute efficiency at `tokens_per_expert` rows per expert: each expert's tile is
+        filled in proportion, so t / (t + t_half) of `compute` (t_half: half a 128-row tile)."""
+        t = tokens_per_expert
+        return self.compute * t / (t + self.moe_half_tokens) if t > 0 else 0.0
+
+
+#: op kind -> (compute, memory) attributes of Efficiency for its sequence kernel (what is not a GEMM)
+KERNELS = {"attention": ("attention_compute", "attention_memory"), "mamba2": ("mamba_compute", "mamba_memory")}
+
+
+class AnalyticProvider:
+    """A roofline per kernel on one device of a layout: GEMMs at the dense (or grouped-GEMM) efficiency,
+    sequence kernels (attention, the SSM) at their own; plus launch floors and the layout's collectives."""
+
+    max_batch = 1 << 20
+    measures = False
+
+    def __init__(self, target: Target, efficiency: Efficiency | None = None):
+        self.target, self.eff = target, efficiency or Efficiency()
+
+    def step_overhead(self) -> float:
+        return self.eff.step_overhead_seconds
+
+    def check(self, items) -> None:
+        return None
+
+    def prefetch(self, items) -> None:
+        return None
+
+    def prepare(self, items) -> bool:
+        return False
+
+    def batch_limit(self, ops, context: int) -> int:
+        return self.max_batch
+
+    def _roof(self, flops: float, nbytes: float, prec: str, compute: float, memory: float) -> float:
+        t = self.target
+        c = flops / (t.peak_flops[prec] * compute) if flops else 0.0
+        return max(c, nbytes / (t.bandwidth * memory))
+
+    def seconds(self, op, precisions, routing, batch, tokens, context, decode, d: Deployment) -> float:
+        """One device's time for `op` when a replica runs `batch` sequences of `tokens` new tokens: each
+        attention group runs its share of the sequences, the routed experts see every token of the replica."""
+        if op.kind == "mtp":
+            return self._mtp(op, precisions, routing, batch, tokens, context, decode, d)
+        t, e, L = self.target, self.eff, d.layout
+        b = L.requests_per_group(batch)
+        w = op.work(b, tokens, context, decode, d.kv_bytes, d.ssm_bytes, d.act_bytes, routing)
+        wbytes = {k: n * BYTES[precisions.get(k, "bf16")] for k, n in w.weights.items()}
+        flops, seconds = w.flops, 0.0
+        dense = [k for k in wbytes if not k.startswith("mixer.experts.")]
+        if op.kind == "moe":
+            flops -= b * tokens * op.top_k * 4 * op.expert_width * op.d_ff
+            seconds += self._routed(op, precisions, routing, batch * tokens, d)
+        elif op.kind in KERNELS:  # the sequence kernel apart from the projections
+            gemm = 2 * b * tokens * sum(math.prod(s) for s in op.params().values() if len(s) == 2)
+            kc, km = (getattr(e, a) for a in KERNELS[op.kind])
+            split = L.kv_shards(op) if op.kind == "attention" else L.tp
+            written = w.state_write * (d.ssm_copies if op.kind == "mamba2" and decode and tokens > 1 else 1)
+            seconds += self._roof(max(flops - gemm, 0.0) / L.tp, (w.state_read + written) / split,
+                                  _sequence_precision(t), kc, km)
+            flops = min(flops, gemm)
+        nbytes = sum(wbytes[k] / L.shards(op, k) for k in dense) + w.act * d.act_bytes / L.tp
+        seconds += self._roof(flops / L.tp, nbytes, _math_precision(precisions, {k: w.weights[k] for k in dense}, t),
+                              e.compute, e.memory)
+        seconds += w.kernels * e.launch_seconds
+        if op.is_block and op.kind != "noop":
+            seconds += self.collective_seconds(op, b * tokens, d)
+        return seconds
+
+    def _routed(self, op, precisions, routing, tokens: int, d: Deployment) -> float:
+        """The routed experts as one grouped GEMM on each device of the replica: the FLOPs split evenly, the
+        reads those of the experts the device holds that some token chose (with ep > 1, the busiest device's)."""
+        if not tokens:
+            return 0.0
+        t, e, L = self.target, self.eff, d.layout
+        names = [[f"mixer.experts.{j}.up_proj.weight", f"mixer.experts.{j}.down_proj.weight"] for j in range(op.experts)]
+        sizes = np.array([op.d_ff * op.expert_width * sum(BYTES[precisions.get(k, "bf16")] for k in pair)
+                          for pair in names])
+        p = np.array(op.touched(tokens, routing))
+        if L.ep == 1:
+            reads = float(p @ sizes) / L.group
+        else:  # whole experts per device: the step waits for the device whose experts were chosen most
+            parts = np.array_split(np.arange(op.experts), L.ep)
+            mean = max(float(p[i] @ sizes[i]) for i in parts)
+            spread = max(float((p[i] * (1 - p[i])) @ sizes[i] ** 2) for i in parts) ** 0.5
+            reads = min(mean + spread * math.sqrt(2 * math.log(L.ep)), max(float(sizes[i].sum()) for i in parts))
+            reads /= L.group // L.ep
+        flops = tokens * op.top_k * 4 * op.expert_width * op.d_ff / L.group
+        prec = _math_precision(precisions, {k: 1.0 for k in names[0]}, t)
+        return max(flops / (t.peak_flops[prec] * e.moe(tokens * op.top_k / op.experts)) if flops else 0.0,
+                   reads / (t.bandwidth * e.memory))
+
+    def _mtp(self, op, precisions, routing, batch, tokens, context, decode, d: Deployment) -> float:
+        """One pass of the MTP head: the fusion (eh_proj and norms) as a GEMM, then each of its blocks."""
+        e, L = self.eff, d.layout
+        b = L.requests_per_group(batch)
+        n, h = b * tokens, op.hidden
+        fusion = 2 * h * h * BYTES[precisions.get("layers.0.eh_proj.weight", "bf16")] / L.tp + n * 5 * h * d.act_bytes
+        out = self._roof(n * (4 * h * h + 12 * h) / L.tp, fusion, _sequence_precision(self.target), e.compute,
+                         e.memory) + 3 * e.launch_seconds
+        for i, blk in enumerate(op.blocks):
+            sub = {k.split(".", 2)[2]: v for k, v in precisions.items() if k.startswith(f"layers.{i}.")}
+            out += self.seconds(blk, sub, None if routing is None else routing.get(i), batch, tokens, context,
+                                decode, d)
+        return out
+
+    def collective_seconds(self, op, tokens: int, d: Deployment) -> float:
+        """The block's collectives on one device of an attention group handling `tokens` tokens: an all-reduce
+        of the output over the tensor-parallel devices (for a MoE without attention data parallel, one that
+        sums routed and shared experts over the replica); with attention data parallel a MoE also sends its
+        tokens' k routed copies at the expert width to the experts' devices and back (two all-to-alls)."""
+        e, L = self.eff, d.layout
+        link = self.target.interconnect_bandwidth * e.link
+        out = 0.0
+        if L.tp > 1:
+            out += 2 * (L.tp - 1) / L.tp * tokens * op.hidden * d.act_bytes / link + e.collective_latency_seconds
+        if op.kind == "moe" and L.dp > 1:
+            sent = (L.group - 1) / L.group * tokens / L.tp * op.top_k * op.expert_width * d.act_bytes
+            out += 2 * (sent / link + e.collective_latency_seconds)
+        return out
+
+
+def _sequence_precision(target: Target) -> str:
+    """Attention and SSM kernels run in BF16 (FP8 KV is dequantised in the kernel)."""
+    return "bf16" if target.supports("bf16") else target.precisions[0]
+
+
+def _math_precision(precisions: dict, weights: dict, target: Target) -> str:
+    """Matmuls run at the precision of the largest weights when the target has it, else bf16."""
+    if not weights:
+        return _sequence_precision(target)
+    biggest = max(weights, key=lambda k: weights[k])
+    p = precisions.get(biggest, "bf16")
+    p = MATH.get(p, p)
+    if target.supports(p):
+        return p
+    return _sequence_precision(target)

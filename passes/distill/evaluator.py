@@ -1,0 +1,94 @@
+"""The held-out evaluation of a distillation run: agreement with the live teacher or with its stored
+top-k (`stored_agreement`), and the `Evaluator` callback that keeps the best weights and calls the user's
+`on_eval` callbacks; apart from the run because its state is checkpointed with it."""
+from __future__ import annotations
+
+import torch
+
+from ... import evaluate as metrics
+from .sharding import _reshard
+
+
+@torch.no_grad()
+def stored_agreement(student, windows: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
+                     batch: int = 8) -> dict:
+    """`evaluate.teacher_agreement` from the teacher's stored top-k on `windows` [n, T] (values, indices
+    [n, T, k]): the KL as `topk_kl` approximates it, top-1 agreement exactly (the top-k's first index is the
+    teacher's argmax)."""
+    kl, agree, count = 0.0, 0, 0
+    for i in range(0, len(windows), batch):
+        ids = windows[i:i + batch]
+        out = student(ids)
+        logits = out[0] if isinstance(out, tuple) else out
+        v, ix = values[i:i + batch].to(logits.device), indices[i:i + batch].to(logits.device)
+        kl += metrics.topk_kl(v, ix, logits).sum().item()
+        agree += metrics.agrees(ix[..., 0], logits).sum().item()
+        count += ids.numel()
+    return {"kl": kl / count, "top1_agreement": agree / count}
+
+
+class Evaluator:
+    """Every `every` steps: held-out KL and top-1 agreement with the teacher (and the MTP head's KL); keeps
+    the best weights (least `metric`) and calls the user's `on_eval` callbacks. Its state is checkpointed
+    with the run, so a resumed run keeps the same best.
+
+    `teacher` None: the teacher's stored top-k on the windows (`stored`: values, indices) stand in for it.
+    Under FSDP the best weights are the sharded state dict's clones (each process keeps its shards) and go
+    into the sharded checkpoint as such."""
+
+    def __init__(self, model, teacher, windows: torch.Tensor, every: int, metric: str, users: list,
+                 stored: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.model, self.teacher, self.windows, self.every, self.metric, self.users = \
+            model, teacher, windows, every, metric, users
+        self.stored = stored
+        self.evals: list[dict] = []
+        self.best: dict | None = None
+        self.best_weights: dict | None = None
+
+    @torch.no_grad()
+    def measure(self) -> dict:
+        was = self.model.training
+        self.model.eval()
+        if self.teacher is None:
+            m = stored_agreement(self.model, self.windows, *self.stored)
+        else:
+            m = metrics.teacher_agreement(self.teacher, self.model, self.windows)
+            if self.model.program.find("mtp") and self.teacher.program.find("mtp"):  # from position 1, as the loss
+                kl = sum(metrics.kl(self.teacher(ids)[1][:, 1:], self.model(ids)[1][:, 1:]).sum().item()
+                         for ids in self.windows.split(8))
+                m["mtp_kl"] = kl / self.windows[:, 1:].numel()
+        self.model.train(was)
+        _reshard(self.model, self.teacher)
+        return m
+
+    def on_step(self, step: int, parts: dict) -> bool:
+        stop = False
+        for cb in self.users:
+            if hasattr(cb, "on_step"):
+                stop |= bool(cb.on_step(step, parts))
+        if step % self.every:
+            return stop
+        m = {"step": step, **self.measure()}
+        self.evals.append(m)
+        self.keep(m)
+        for cb in self.users:
+            if hasattr(cb, "on_eval"):
+                stop |= bool(cb.on_eval(step, m))
+        return stop
+
+    def keep(self, m: dict) -> None:
+        """Remembers the current weights when `m` is the best evaluation so far (sharded: this process's
+        shards)."""
+        if self.best is None or m[self.metric] < self.best[self.metric]:
+            self.best = m
+            self.best_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def state_dict(self) -> dict:
+        return {"evals": self.evals, "best": self.best, "best_weights": self.best_weights,
+                "users": [cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.users]}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.evals, self.best, self.best_weights = st["evals"], st["best"], st["best_weights"]
+        for cb, s in zip(self.users, st["users"]):
+            if s is not None:
+                cb.load_state_dict(s)

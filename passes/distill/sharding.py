@@ -1,0 +1,124 @@
+"""How the student and the teacher are built for a run and spread over the processes: FSDP2 sharding
+(`shard_model`, its availability check), activation checkpointing (`checkpoint_blocks`), the model
+building (`_build`) and gathering whole tensors back (`full_state`). Kept apart from the run: the only
+module that knows about FSDP."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ...backends.torch.device import Compute
+from ...ir import Program
+from ..core import PassError
+
+# -- sharding, activation checkpointing ------------------------------------------------------------------------
+SHARDS = ("auto", "ddp", "fsdp")
+
+
+def _reshard(*models) -> None:
+    """Frees the unsharded parameters FSDP keeps after a forward without a backward (an evaluation)."""
+    for m in models:
+        if m is not None and hasattr(m, "reshard"):
+            m.reshard()
+
+
+def _mtp_layers(model) -> list:
+    return [layer for n in model.program.nodes if n.op.kind == "mtp" for layer in model.get_submodule(n.path).layers]
+
+
+def checkpoint_blocks(model) -> None:
+    """Activation checkpointing: each residual block (the trunk's and the MTP head's) keeps only its input
+    in the forward and recomputes the rest in the backward (`torch.utils.checkpoint`, non-reentrant: the
+    same numbers, the RNG and autocast state replayed). Forward hooks (`_capture`) see each output once."""
+    from torch.utils.checkpoint import checkpoint
+
+    for m in [model.get_submodule(n.path) for n in model.program.blocks()] + _mtp_layers(model):
+        def run(*args, _forward=m.forward, **kw):
+            if not torch.is_grad_enabled():  # evaluation, the teacher: nothing to save for
+                return _forward(*args, **kw)
+            return checkpoint(_forward, *args, use_reentrant=False, **kw)
+        m.forward = run
+
+
+def shard_model(model, mesh) -> None:
+    """FSDP2 over `mesh`: one group per trunk block and per MTP-head block's mixer, then the root group
+    with everything else. Shared parameters stay whole in the root group: the embedding (which a tied LM
+    head and the MTP head use by reference), the LM head (the MTP head's too), the final norm, and the MTP
+    head's own fusion norms, projection and final norm, which its forward calls outside its blocks.
+    Parameters become this process's float32 shards (copies: the weight store is never written). A model
+    built on the meta device is loaded one group at a time, each group sharded before the next is read, so
+    a process never holds more than its shards and one block in full."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    has = lambda m: any(True for _ in m.parameters())
+    for n in model.program.blocks():
+        m = _loaded(model, n)
+        if has(m):
+            fully_shard(m, mesh=mesh)
+    for n in model.program.find("mtp"):
+        _loaded(model, n)
+    for layer in _mtp_layers(model):
+        if hasattr(layer, "mixer") and has(layer.mixer):
+            fully_shard(layer.mixer, mesh=mesh)
+    for n in model.program.nodes:
+        _loaded(model, n)
+    fully_shard(model, mesh=mesh)
+    # routed experts no token chose on some rank get no gradient there: every rank reduce-scatters a zero
+    # gradient for them instead, so the collectives match (as DDP's find_unused_parameters)
+    model.set_reduce_scatter_unused_params(True)
+    for name in ("values", "prefill", "decode"):  # called without forward(): FSDP must still gather the root
+        register_fsdp_forward_method(model, name)
+
+
+def _loaded(model, node):
+    """The node's module, its weights read from the program's store (in float32) if it is still on meta."""
+    from ...backends.torch import load_into
+
+    m = model.get_submodule(node.path)
+    if any(p.is_meta for p in m.parameters()):
+        train = any(p.requires_grad for p in m.parameters())
+        load_into(m, model.program.weights, "cpu", [node], node.path)
+        m.float().requires_grad_(train)
+    return m
+
+
+def _fsdp_available() -> None:
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: F401
+    except ImportError:
+        raise PassError(f"distill: shard=fsdp needs PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard), which "
+                        f"torch {torch.__version__} lacks; use shard=ddp or a newer torch") from None
+    if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        raise PassError(f"distill: shard=fsdp needs FSDPModule.set_reduce_scatter_unused_params (routed experts "
+                        f"without tokens) and torch {torch.__version__} lacks it; use shard=ddp or a newer torch")
+
+
+def _build(prog: Program, compute: Compute, mesh, train: bool, checkpointing: bool):
+    """The student (`train`: its own float32 copies of the weights) or the teacher (frozen), sharded over
+    `mesh` when there is one."""
+    from ...backends.torch import materialize
+
+    if mesh is None:
+        m = materialize(prog, dtype=torch.float32, compute=compute)
+        if train:
+            for param in m.parameters():  # the store's tensors are shared with the teacher and snapshots:
+                param.data = param.data.clone()  # training must update copies
+    else:  # on meta: shard_model reads one block at a time, shards it and moves the shards to the device
+        from ...backends.torch import ProgramModule
+
+        m = ProgramModule(prog, device="meta")
+        m.compute = compute
+    m.requires_grad_(train)
+    if train and checkpointing:
+        checkpoint_blocks(m)
+    if mesh is not None:
+        shard_model(m, mesh)
+    return m
+
+
+def full_state(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, the whole tensor) for the model's state dict, one tensor gathered at a time (sharded ones on
+    every process: a collective, so every process must iterate)."""
+    for name, t in model.state_dict().items():
+        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
