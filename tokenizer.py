@@ -100,10 +100,15 @@ class HFTokenizer:
         return bos is not None and self.tok("a", add_special_tokens=True)["input_ids"][:1] == [bos]
 
     @cached_property
+    def _backend_spec(self) -> str | None:
+        """The fast tokenizer's whole definition as JSON (None for a slow one): serialised once (MBs at 131k)."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        return backend.to_str() if backend is not None else None
+
+    @cached_property
     def identity(self) -> str:
         """What decides the ids a text gets (the cache key of tokenized data)."""
-        backend = getattr(self.tok, "backend_tokenizer", None)
-        spec = backend.to_str() if backend is not None else json.dumps(sorted(self.tok.get_vocab().items()))
+        spec = self._backend_spec or json.dumps(sorted(self.tok.get_vocab().items()))
         return hashlib.sha256(f"{spec}|{self.bos_id}|{self.eos_id}".encode()).hexdigest()
 
     @cached_property
@@ -147,8 +152,7 @@ class HFTokenizer:
         tokens = self.tok.convert_ids_to_tokens(list(range(self.vocab_size)))
         special = set(self.tok.all_special_ids)
         added = {i for i, t in getattr(self.tok, "added_tokens_decoder", {}).items() if not t.special} - special
-        backend = getattr(self.tok, "backend_tokenizer", None)
-        decoder = json.loads(backend.to_str()).get("decoder") or {} if backend is not None else {}
+        decoder = (json.loads(self._backend_spec).get("decoder") or {}) if self._backend_spec else {}
         byte_level = "ByteLevel" in json.dumps(decoder)
         alphabet = _byte_alphabet()
         out = np.zeros(self.vocab_size, dtype=np.int64)

@@ -104,17 +104,23 @@ def test_token_bytes_are_the_bytes_each_token_decodes_to(subword):
 
 
 # -- figures against transformers ---------------------------------------------------------------------------------
-def test_eval_bits_per_byte_matches_transformers(subword, capsys):
-    code, res, _ = _cli(capsys, "eval", subword.model, "--data", subword.docs, "--windows", "6", "--seq", "64",
-                        "--prompts", "2", "--new-tokens", "4", "--json")
-    assert code == 0, res
-    windows = held_out_windows(corpus_for(ir.load(subword.model), [subword.docs]), "report", 65, limit=6)
+def _transformers_figures(subword, windows) -> tuple[float, float]:
+    """The oracle on windows [n, T + 1]: transformers' summed NLL (nats) of the last T tokens, and its bits per
+    byte over the bytes transformers' tokenizer decodes those tokens to."""
     with torch.no_grad():
         logits = subword.hf(windows[:, :-1], use_cache=False).logits
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1),
                                             reduction="sum").item()
     nbytes = sum(len(subword.tokenizer.decode(w[1:], skip_special_tokens=True).encode()) for w in windows.tolist())
-    want = nll / nbytes / math.log(2)
+    return nll, nll / nbytes / math.log(2)
+
+
+def test_eval_bits_per_byte_matches_transformers(subword, capsys):
+    code, res, _ = _cli(capsys, "eval", subword.model, "--data", subword.docs, "--windows", "6", "--seq", "64",
+                        "--prompts", "2", "--new-tokens", "4", "--json")
+    assert code == 0, res
+    windows = held_out_windows(corpus_for(ir.load(subword.model), [subword.docs]), "report", 65, limit=6)
+    nll, want = _transformers_figures(subword, windows)
     assert abs(res["bits_per_byte"] - want) / want < 0.01
     assert res["valid_tokens"] == windows[:, 1:].numel() and res["tokenizer"] == str(subword.model.resolve())
     assert abs(res["nll_per_token"] - nll / windows[:, 1:].numel()) < 1e-4 * abs(res["nll_per_token"])
@@ -267,13 +273,8 @@ def test_pipeline_passes_read_the_models_tokens(subword, small_grid_file, tmp_pa
                 "eval_every=1},mtp-check{prompts=1,new_tokens=2,tolerance=1.0},quantize{recipe=fp8,samples=2,seq=32}")
     am = PassManager(pipeline, data=[str(subword.docs)]).run(prog)
     windows = held_out_windows(corpus_for(prog, [subword.docs]), "selection", 33, limit=2)
-    with torch.no_grad():
-        logits = subword.hf(windows[:, :-1], use_cache=False).logits
-    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1),
-                                            reduction="sum").item()
-    nbytes = sum(len(subword.tokenizer.decode(w[1:], skip_special_tokens=True).encode()) for w in windows.tolist())
     got = am.reports["distill"][0]["teacher_bits_per_byte"]
-    assert abs(got - nll / nbytes / math.log(2)) < 1e-4 * got
+    assert abs(got - _transformers_figures(subword, windows)[1]) < 1e-4 * got
     assert am.reports["mtp-check"][0]["acceptance"] >= 1
     lib = build_library(ir.load(subword.model), tmp_path / "lib", small_grid_file,
                         LibrarySettings(calib_windows=2, score_windows=1, seq=32, bld_tokens=128, data=[str(subword.docs)]))

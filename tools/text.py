@@ -83,13 +83,13 @@ def greedy(prefill, decode, n: int, logits_of, model=None, stop: int | None = No
     from ..evaluate import check_finite
 
     outs, state = prefill()
-    new = []
+    new, done = [], None
     for i in range(n):
         where = "prefill" if i == 0 else f"decode step {i}"
         logits = check_finite(np.asarray(logits_of(outs))[:, -1], f"logits at {where}", model)
         new.append(logits.argmax(-1))
-        if stop is not None:
-            done = np.any(np.stack(new, axis=1) == stop, axis=1)
+        if stop is not None:  # the rows that have produced EOS so far, updated per step (not restacked)
+            done = (new[-1] == stop) if done is None else done | (new[-1] == stop)
             if done.all():
                 break
         if i + 1 < n:
