@@ -11,6 +11,7 @@ writes its shards into, for FSDP; it reshards on load, so a run resumes on anoth
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 import shutil
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .errors import PuzzlekitError
+from .errors import PuzzlekitError, UsageError
 from .outputs import atomic_file
 
 
@@ -66,21 +67,43 @@ class Fit:
     stopped: bool = False  # a callback asked to stop
 
 
+#: seconds a collective waits for the other ranks (`$PUZZLEKIT_DIST_TIMEOUT`): long, because one rank may work
+#: alone for a while (rank 0 sweeping a large parent layer by layer before the layers are shared out)
+DIST_TIMEOUT_ENV, DIST_TIMEOUT_S = "PUZZLEKIT_DIST_TIMEOUT", 4 * 3600
+
+
+def dist_timeout() -> datetime.timedelta:
+    """How long a collective waits: $PUZZLEKIT_DIST_TIMEOUT seconds, by default 4 hours (NCCL's own default,
+    10 minutes, ends a run whose rank 0 alone sweeps a 120B parent)."""
+    raw = os.environ.get(DIST_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return datetime.timedelta(seconds=DIST_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise UsageError(f"${DIST_TIMEOUT_ENV}={raw!r}: give the seconds a collective may wait for the other "
+                         f"ranks, a positive number (default {DIST_TIMEOUT_S})")
+    return datetime.timedelta(seconds=seconds)
+
+
 def distributed() -> tuple[int, int]:
     """(rank, world size); joins the torchrun process group when launched by torchrun: NCCL with each rank
-    on its own GPU (cuda:LOCAL_RANK) where CUDA is, gloo otherwise."""
+    on its own GPU (cuda:LOCAL_RANK) where CUDA is, gloo otherwise, with `dist_timeout()`."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        timeout = dist_timeout()
         if torch.cuda.is_available():
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), world
 
 
@@ -172,7 +195,8 @@ class FileCheckpoint:
         if self.write:
             save_atomic({"step": meta["step"], "model": model.state_dict(), "optimizer": opt.state_dict(),
                          "rng": meta["rng"], "identity": meta["identity"], "callbacks": callback_states,
-                         "seconds": meta["seconds"], "stopped": meta["stopped"]}, self.path)
+                         "seconds": meta["seconds"], "stopped": meta["stopped"], "scaler": meta.get("scaler")},
+                        self.path)
 
 
 _TENSOR = "__checkpoint_tensor__"
@@ -318,7 +342,8 @@ def fit(model: torch.nn.Module, step_loss: Callable[..., tuple[torch.Tensor, dic
         identity: dict | None = None, desc: str = "train", progress: bool = False,
         max_seconds: float = 0.0, postfix: Callable[[dict], dict] | None = None, callbacks: list = (),
         write: bool = True, micro: int = 1, no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
-        checkpoint: FileCheckpoint | ShardedCheckpoint | None = None, zero_unused: bool = False) -> Fit:
+        checkpoint: FileCheckpoint | ShardedCheckpoint | None = None, zero_unused: bool = False,
+        scaler=None) -> Fit:
     """Trains `model` for `schedule.steps` steps of `step_loss(step) -> (loss, parts)`.
 
     `schedule` is a `Schedule` or any object with `steps`, `clip`, `lr_at(step)` and `optimizer(model)`.
@@ -336,6 +361,10 @@ def fit(model: torch.nn.Module, step_loss: Callable[..., tuple[torch.Tensor, dic
     `no_sync`: gradients are all-reduced once, after the last). `zero_unused` gives every trainable parameter
     that got no gradient (a routed expert no token chose) a zero one before the step, as FSDP's
     reduce-scatter of unused parameters does, so a 1-process run steps like a sharded one.
+
+    `scaler` (`Compute.grad_scaler()`: float16) scales each loss before its backward and unscales the
+    gradients before clipping; a step whose gradients overflowed is skipped and the scale lowered. Its state
+    is checkpointed.
     """
     opt = schedule.optimizer(model)
     step = resumed_from = 0
@@ -352,6 +381,8 @@ def fit(model: torch.nn.Module, step_loss: Callable[..., tuple[torch.Tensor, dic
         for cb, cb_state in zip(callbacks, cb_states):
             if cb_state is not None:
                 cb.load_state_dict(cb_state)
+        if scaler is not None and st.get("scaler"):
+            scaler.load_state_dict(st["scaler"])
         step = resumed_from = st["step"]
         earlier, stopped = st.get("seconds", 0.0), st.get("stopped", False)
     start, log = time.monotonic(), []
@@ -365,8 +396,11 @@ def fit(model: torch.nn.Module, step_loss: Callable[..., tuple[torch.Tensor, dic
                                 f"({', '.join(bad[:3])}); lower the learning rate (--lr) and start again")
         ck.save(model, opt, {"step": step, "rng": rng.get_state() if rng is not None else None,
                              "identity": identity or {}, "seconds": earlier + time.monotonic() - start,
-                             "stopped": stopped},
+                             "stopped": stopped, "scaler": scaler.state_dict() if scaler is not None else None},
                 [cb.state_dict() if hasattr(cb, "state_dict") else None for cb in callbacks])
+
+    def backward(loss):
+        (scaler.scale(loss) if scaler is not None else loss).backward()
 
     while step < schedule.steps and not stopped:  # a run a callback stopped stays stopped when resumed
         lr = schedule.lr_at(step)
@@ -377,14 +411,14 @@ def fit(model: torch.nn.Module, step_loss: Callable[..., tuple[torch.Tensor, dic
             here, everywhere = _finite_everywhere(loss)
             if everywhere:
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                backward(loss)
         else:
             opt.zero_grad(set_to_none=True)
             loss, parts = None, {}
             for k in range(micro):
                 with no_sync() if no_sync is not None and k < micro - 1 else contextlib.nullcontext():
                     part, got = step_loss(step, k)
-                    part.backward()  # a NaN here makes NaN gradients, and the check below stops before the step
+                    backward(part)  # a NaN here makes NaN gradients, and the check below stops before the step
                 loss = part.detach() if loss is None else loss + part.detach()
                 for n, v in got.items():
                     parts[n] = parts.get(n, 0.0) + v
@@ -397,9 +431,15 @@ def fit(model: torch.nn.Module, step_loss: Callable[..., tuple[torch.Tensor, dic
             for p in model.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
+        if scaler is not None:
+            scaler.unscale_(opt)  # clip the true gradients
         if schedule.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.clip)
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)  # skipped when a gradient overflowed
+            scaler.update()
+        else:
+            opt.step()
         step += 1
         log.append({"step": step, "lr": lr, **parts})
         bar.update(1)

@@ -1,6 +1,7 @@
 """Devices and precision: `--device/--dtype` on every command that computes, mixed precision (bf16 autocast,
 float32 master weights, losses and SSM state) against float32 at bf16 tolerances, and distributed failures
-that end every rank. All on CPU: bf16 autocast runs there too."""
+that end every rank. On CPU, where bf16 autocast runs too; the bf16 tests run on CUDA as well where there is
+a GPU (`benchmarks/gpu_check.py`), against float32 on the CPU."""
 from __future__ import annotations
 
 import json
@@ -16,8 +17,10 @@ from puzzlekit.backends.torch.device import CPU, DeviceError, resolve
 from puzzlekit.tools.cli import main
 from puzzlekit.tools.default_model import load_default
 
-BF16 = resolve("cpu", "bfloat16")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+#: where the bf16 tests run: the CPU, and the GPU where there is one
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+on_devices = pytest.mark.parametrize("device", DEVICES)
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +54,14 @@ def test_cuda_on_a_machine_without_it_is_a_usage_error_naming_cuda(argv, tmp_pat
 def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 0.02) -> None:
     """Within `rel` of the reference's norm: bf16 keeps about 3 significant digits per op, and a dozen
     blocks compound them (measured here: 0.4% for the trunk's logits, 1% for the MTP head's)."""
-    err, scale = (got.float() - want).norm().item(), want.norm().item()
+    err, scale = (got.float().cpu() - want.cpu()).norm().item(), want.norm().item()
     assert scale > 0.1 and err <= rel * scale, (err, scale)
 
 
-def test_bf16_forward_matches_float32_at_bf16_tolerance_and_keeps_state_dtypes(parent):
+@on_devices
+def test_bf16_forward_matches_float32_at_bf16_tolerance_and_keeps_state_dtypes(parent, device):
     ids = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(0))  # 70: several Mamba chunks
-    ref, bf = materialize(parent), materialize(parent, compute=BF16)
+    ref, bf = materialize(parent), materialize(parent, compute=resolve(device, "bfloat16"))
     (l32, m32), s32 = ref.prefill(ids)
     (l16, m16), s16 = bf.prefill(ids)
     assert l16.dtype == torch.bfloat16 and next(bf.parameters()).dtype == torch.float32  # master weights stay
@@ -71,17 +75,20 @@ def test_bf16_forward_matches_float32_at_bf16_tolerance_and_keeps_state_dtypes(p
     _close(d16, d32)
 
 
-def test_eval_in_bf16_gives_bits_per_byte_within_3_percent_of_float32(capsys):
+@on_devices
+def test_eval_in_bf16_gives_bits_per_byte_within_3_percent_of_float32(capsys, device):
     runs = {}
-    for dtype in ("float32", "bfloat16"):
-        assert main(["eval", "--windows", "8", "--prompts", "2", "--new-tokens", "8", "--dtype", dtype, "--json"]) == 0
+    for dev, dtype in (("cpu", "float32"), (device, "bfloat16")):
+        assert main(["eval", "--windows", "8", "--prompts", "2", "--new-tokens", "8", "--device", dev,
+                     "--dtype", dtype, "--json"]) == 0
         runs[dtype] = json.loads(capsys.readouterr().out)
-    assert runs["bfloat16"]["compute"] == "cpu/bfloat16"
+    assert runs["bfloat16"]["compute"] == f"{resolve(device).device}/bfloat16"
     a, b = runs["float32"]["bits_per_byte"], runs["bfloat16"]["bits_per_byte"]
     assert abs(a - b) <= 0.03 * a
 
 
-def test_a_bf16_bld_variant_lowers_its_loss_as_float32_does(parent):
+@on_devices
+def test_a_bf16_bld_variant_lowers_its_loss_as_float32_does(parent, device):
     from puzzlekit.backends.torch.stream import StreamedProgram
     from puzzlekit.passes.puzzle.bld import block_module, distill_block, nmse
     from puzzlekit.passes.puzzle.grid import Variant
@@ -97,8 +104,9 @@ def test_a_bf16_bld_variant_lowers_its_loss_as_float32_does(parent):
     spec, w = slice_variant(node.op, {k: v.float() for k, v in parent.node_weights(node).items()},
                             Variant((("heads", node.op.heads // 2),)), ranks)
     final = {}
-    for compute in (CPU, BF16):
-        block = block_module(spec, w)
+    for compute in (CPU, resolve(device, "bfloat16")):
+        x, d = x.to(compute.device), d.to(compute.device)
+        block = block_module(spec, w).to(compute.device)
         before = nmse(block, x, d, compute=compute)
         distill_block(block, x, d, tokens=8192, seed=0, lr=3e-3, compute=compute)
         final[compute.dtype] = nmse(block, x, d, compute=compute)
@@ -108,14 +116,15 @@ def test_a_bf16_bld_variant_lowers_its_loss_as_float32_does(parent):
 
 
 @pytest.mark.slow  # heavy: runs with pytest -m slow
-def test_bf16_distillation_lowers_the_kl_as_float32_does(parent):
+@on_devices
+def test_bf16_distillation_lowers_the_kl_as_float32_does(parent, device):
     from puzzlekit.passes import PassManager
     from puzzlekit.passes.distill import Distill, distill
 
     child = parent.copy()
     PassManager("set-topk{k=1},drop-blocks{layers=[2]}").run(child)  # a child to recover
     after = {}
-    for compute in (CPU, BF16):
+    for compute in (CPU, resolve(device, "bfloat16")):
         d = Distill(steps=20, batch=4, seq=64, eval_every=10, eval_windows=4, lr=1e-3)
         rep = distill(child.copy(), parent, d, compute=compute)
         assert rep["after"]["kl"] < 0.8 * rep["before"]["kl"], rep
@@ -135,6 +144,8 @@ def nan_on_rank_1(b):
 """
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="two ranks on a CUDA machine need two GPUs (NCCL, one per rank)")
 def test_a_rank_whose_loss_diverges_ends_the_run_on_both(tmp_path):
     (tmp_path / "rank_plugin.py").write_text(PLUGIN)
     pipe = "snapshot{name=teacher},distill{steps=4,batch=4,seq=16,eval_windows=1,loss=[nan-on-rank-1]}"

@@ -138,7 +138,7 @@ def generate(args) -> int:
         new = greedy(lambda: om.prefill(prompt), om.decode, args.max_new_tokens, lambda outs: outs["logits"],
                       stop=tok.eos_id)
     else:
-        m = materialize(prog, compute=compute)
+        m = materialize(prog, compute=compute, inference=True)
         with torch.no_grad():
             new = greedy(lambda: m.prefill(torch.from_numpy(prompt)),
                           lambda t, state: m.decode(torch.from_numpy(t), state), args.max_new_tokens,

@@ -85,7 +85,7 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
     run = fit(model, lambda step: loss_fn(model, random_windows(corpus.train, cfg.batch, cfg.seq + 1, gen),
                                           cfg.mtp_weight),
               schedule, rng=gen, state_file=state_file, every=cfg.checkpoint_every,
-              identity=identity, progress=progress, max_seconds=cfg.max_minutes * 60,
+              identity=identity, progress=progress, max_seconds=cfg.max_minutes * 60, scaler=compute.grad_scaler(),
               postfix=lambda p: {"bpb": f"{p['loss'] / evaluate.LN2:.3f}", "mtp": f"{p['mtp_loss'] / evaluate.LN2:.3f}"})
     step, resumed_from = run.step, run.resumed_from
     model.eval()

@@ -151,7 +151,7 @@ def export_onnx(prog: Program, out, target="cpu", opset: int = 23, overwrite: bo
 
     out = check_output(out, prog.input_paths(), overwrite)  # before the work, not after
     tgt = get_target(target) if isinstance(target, str) else target
-    module = materialize(prog)
+    module = materialize(prog).use_export_form()
     module.contiguous_state = False
     states = module.state_names
     outs = list(prog.outputs)

@@ -6,8 +6,9 @@ import math
 import torch
 from torch import nn
 
-from ...ir.ops.base import QUANT_FORMATS
+from ...ir.ops.base import QUANT_FORMATS, use_export_form
 from ...ir.ops.io import TiedHead
+from ...ir.ops.moe import MoEMixer
 from ...ir.program import Program
 from ...ir.weights import WeightStore
 from .device import CPU, Compute
@@ -54,6 +55,11 @@ class ProgramModule(nn.Module):
         #: the ONNX exporter turns it off (layouts do not exist there and it cannot lower stride queries)
         self.contiguous_state = True
 
+    def use_export_form(self) -> ProgramModule:
+        """Every op in its export form (see ir.ops.base.use_export_form): for torch.export and ONNX."""
+        use_export_form(self)
+        return self
+
     def _run(self, ids, state, decode, keep=()):
         if ids.device != self.compute.device:
             ids = ids.to(self.compute.device)
@@ -95,22 +101,30 @@ class ProgramModule(nn.Module):
         return self._run(token_ids.reshape(-1, 1), state, True)
 
 
-def load_weights(module: ProgramModule, weights: WeightStore | None = None) -> ProgramModule:
+def load_weights(module: ProgramModule, weights: WeightStore | None = None, stack: bool = False) -> ProgramModule:
     """Puts the store's tensors into the module, on its device (on CPU the module shares them). Quantised
     weights are dequantised (fake quantization) and the inputs of weights with an activation format are
     quantised-dequantised at run time."""
-    load_into(module, weights or module.program.weights, module.compute.device, module.program.nodes)
+    load_into(module, weights or module.program.weights, module.compute.device, module.program.nodes, stack=stack)
     return module
 
 
-def load_into(root: nn.Module, w: WeightStore, device, nodes, base: str = "") -> None:
+def load_into(root: nn.Module, w: WeightStore, device, nodes, base: str = "", stack: bool = False) -> None:
     """Loads `root`'s parameters from the store: `base` is the path of `root` in the program ("" for a whole
-    ProgramModule, a node's path for that node's module alone); `nodes` are the nodes it holds."""
+    ProgramModule, a node's path for that node's module alone); `nodes` are the nodes it holds. `stack` (modules
+    for inference) holds each MoE's routed experts in two stacked tensors (`MoEMixer.stack`): a copy of them,
+    made once, for grouped GEMMs."""
     full = {k: f"{base}.{k}" if base else k for k in root.state_dict()}
     missing = sorted(n for n in full.values() if n not in w)
     if missing:
         raise KeyError(f"the weight store lacks {missing[:3]}")
-    root.load_state_dict({k: _dense(w.get(n)).to(device) for k, n in full.items()}, strict=True, assign=True)
+    state = {k: _dense(w.get(n)).to(device) for k, n in full.items()}
+    root.load_state_dict(state, strict=True, assign=True)
+    for path, m in root.named_modules() if stack else ():
+        if isinstance(m, MoEMixer):
+            pre = f"{path}.experts." if path else "experts."
+            m.stack(*(torch.stack([state[f"{pre}{j}.{side}.weight"] for j in range(m.spec.experts)])
+                      for side in ("up_proj", "down_proj")))
     cut = len(base) + 1 if base else 0
     for n in nodes:
         for local, fmt in n.op.quant:
@@ -138,18 +152,38 @@ def _quantize_input(root: nn.Module, path: str, fmt: str, scale: torch.Tensor) -
     root.get_submodule(path).register_forward_pre_hook(lambda m, args: (fake_quantize(args[0], fmt, scale),))
 
 
-def materialize(prog: Program, dtype: torch.dtype | None = None, compute: Compute | None = None) -> ProgramModule:
+def materialize(prog: Program, dtype: torch.dtype | None = None, compute: Compute | None = None,
+                inference: bool = False) -> ProgramModule:
     """A runnable module with the program's weights (meta weights give a meta-device module), on
-    `compute`'s device, its forward in `compute`'s precision; `dtype` casts the weights themselves."""
+    `compute`'s device, its forward in `compute`'s precision; `dtype` casts the weights themselves.
+    `inference`: the weights autocast would cast are held in the forward's dtype (see `hold_in`)."""
     compute = compute or CPU
     meta = prog.is_meta
     m = ProgramModule(prog, device="meta" if meta else compute.device)
     if not meta:
         m.compute = compute  # its dtype too
-        load_weights(m)
+        load_weights(m, stack=inference)
     if dtype is not None:
         m.to(dtype)
+    elif inference:
+        hold_in(m, compute.dtype)
     return m.eval()
+
+
+def hold_in(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Casts once what autocast casts on every call, the Linear and Conv1d weights, to the forward's `dtype`:
+    the same numbers without a cast of every weight in every forward. For inference: an optimizer steps float32
+    master weights. Norms, routers and the embedding stay as stored (autocast leaves them too)."""
+    if dtype == torch.float32:
+        return module
+    stacked = [m for m in module.modules() if isinstance(m, MoEMixer) and m.stacked() is not None]
+    skip = {id(e) for m in stacked for e in m.experts.modules()}
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Conv1d)) and id(m) not in skip:
+            m.to(dtype)
+    for m in stacked:
+        m.stack(*(t.to(dtype) for t in m.stacked()))
+    return module
 
 
 def random_weights(prog: Program, seed: int = 0, dtype: torch.dtype = torch.float32, std: float = 0.02) -> Program:

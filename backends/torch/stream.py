@@ -22,16 +22,28 @@ from torch import nn
 
 from ...ir.program import Node, Program
 from ...memory import scratch_file
-from . import _dense, load_into
+from . import _dense, hold_in, load_into
 from .device import CPU, Compute
 
 #: attach(node, module) -> finish() or None: called before a node runs over the windows; finish() after it
 Attach = Callable[[Node, nn.Module], Callable[[], None] | None]
 
 
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(a host copy of `t`, whether it is in pinned memory). A CUDA tensor is copied into page-locked memory
+    without waiting (the copy is queued on the stream, before anything that reuses `t`'s memory, and so is
+    the copy back); any other is copied as it is."""
+    if t.device.type != "cuda":
+        return t.detach().cpu(), False
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t.detach(), non_blocking=True)
+    return host, True
+
+
 class Tape:
     """One value for every batch of windows, kept in host memory up to `room` bytes (shared by the tapes of
-    one sweep), past it in scratch files; read back onto the device it came from."""
+    one sweep; pinned for CUDA values, copied both ways without waiting), past it in scratch files; read
+    back onto the device it came from."""
 
     def __init__(self, room: list[int]):
         self._items: list = []
@@ -39,27 +51,28 @@ class Tape:
 
     def append(self, t: torch.Tensor) -> None:
         n = t.numel() * t.element_size()
-        host = t.detach().cpu()
         if n <= self._room[0]:
             self._room[0] -= n
-            self._items.append((host, t.device))
+            self._items.append((*to_host(t), t.device))
             return
         f = scratch_file(".safetensors")
-        save_file({"t": host.contiguous()}, str(f))
-        self._items.append((f, t.device))
+        save_file({"t": t.detach().cpu().contiguous()}, str(f))  # the file needs the bytes now: a blocking copy
+        self._items.append((f, False, t.device))
 
     def __len__(self) -> int:
         return len(self._items)
 
     def __getitem__(self, b: int) -> torch.Tensor:
-        held, device = self._items[b]
-        return (held if isinstance(held, torch.Tensor) else load_file(str(held))["t"]).to(device)
+        held, pinned, device = self._items[b]
+        if isinstance(held, torch.Tensor):
+            return held.to(device, non_blocking=pinned)
+        return load_file(str(held))["t"].to(device)
 
     def cat(self) -> torch.Tensor:
         return torch.cat([self[b] for b in range(len(self))])
 
     def __del__(self):
-        for held, _ in self._items:
+        for held, _, _ in self._items:
             if isinstance(held, torch.Tensor):
                 self._room[0] += held.numel() * held.element_size()
             else:
@@ -97,9 +110,11 @@ class StreamedProgram:
             return self._cache[node.path][0]
         with torch.device("meta"):  # no initialisation: every tensor is assigned from the store
             m = node.op.build()
-        load_into(m, self.program.weights, self.compute.device, [node], node.path)
+        load_into(m, self.program.weights, self.compute.device, [node], node.path, stack=True)
         if self.dtype is not None:
             m.to(self.dtype)
+        else:  # inference in the forward's precision: weights cast once, not in every call
+            hold_in(m, self.compute.dtype)
         kind = lambda k: self.program.find(k)[0]
         if node.op.kind == "lm_head" and node.op.tied:
             m.bind(self.module(kind("embed")))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ...errors import TraceError
+from ...ir.ops.base import use_export_form
 from ...ir.program import Program
 from .trace_graph import _build, _flatten
 from .trace_registry import _REGISTRY, ROOT_RENAMES, Converted, Converter, _convert, register_module  # noqa: F401
@@ -51,7 +52,7 @@ def _swap(root: nn.Module, found: dict[str, Converted], originals: dict[str, nn.
     for path, c in found.items():
         if not c.swap:
             continue
-        ref = c.op.build()
+        ref = use_export_form(c.op.build())
         try:
             ref.load_state_dict(c.weights, strict=True)
         except RuntimeError as e:

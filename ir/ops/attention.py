@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, positive
@@ -92,6 +93,11 @@ class Attention(OpSpec):
 
 
 class AttentionMixer(nn.Module):
+    """Eager runs go through `scaled_dot_product_attention` with grouped KV heads (no repeated K/V, fused
+    kernels, no [t, L] score matrix held per head). The ONNX export asks for `export_form`: attention written
+    out (MatMul -> masked Softmax -> MatMul over [b, kv, rep, t, d] groups), which every TensorRT version builds
+    in every precision, where the ONNX Attention op builds only in 16-bit precisions with fused kernels."""
+
     stateful = True
 
     def __init__(self, spec: Attention):
@@ -101,6 +107,7 @@ class AttentionMixer(nn.Module):
         self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
         self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.q_heads * s.head_dim, s.hidden, bias=False)
+        self.export_form = False
 
     def forward(self, x, state=None, decode: bool = False):
         """x [b,t,hidden]; state (k, v) [b,kv_heads,L,head_dim] of the L tokens before, or None."""
@@ -111,15 +118,26 @@ class AttentionMixer(nn.Module):
         v = self.v_proj(x).reshape(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
         if state is not None:
             k, v = torch.cat([state[0], k], dim=2), torch.cat([state[1], v], dim=2)
-        past = k.shape[2] - t
-        # query i sits at absolute position past + i and sees keys 0 .. past + i
-        visible = torch.arange(k.shape[2], device=x.device)[None, :] <= torch.arange(t, device=x.device)[:, None] + past
-        # written out (MatMul -> masked Softmax -> MatMul over [b, kv, rep, t, d] groups) rather than with
-        # scaled_dot_product_attention, whose ONNX Attention op TensorRT builds only in 16-bit precisions
-        # with fused kernels; this form every TensorRT version builds, and fuses where a fused kernel fits
+        y = (self._written_out if self.export_form else self._fused)(q, k, v)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, s.q_heads * s.head_dim)), (k, v)
+
+    def _fused(self, q, k, v):
+        t, L = q.shape[2], k.shape[2]
+        # a fresh prefill is plainly causal; a chunk after cached tokens needs the offset mask; one token sees all
+        mask = _visible(t, L, q.device) if 1 < t < L else None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=t > 1 and t == L,
+                                              enable_gqa=self.spec.q_heads != self.spec.kv_heads)
+
+    def _written_out(self, q, k, v):
+        s = self.spec
+        b, _, t, _ = q.shape
         rep = s.q_heads // s.kv_heads
         qg = q.reshape(b, s.kv_heads, rep, t, s.head_dim)
         scores = qg @ k.unsqueeze(2).transpose(-1, -2) * s.head_dim ** -0.5  # [b, kv, rep, t, L]
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        y = (probs @ v.unsqueeze(2)).reshape(b, s.q_heads, t, s.head_dim)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, s.q_heads * s.head_dim)), (k, v)
+        probs = torch.softmax(scores.masked_fill(~_visible(t, k.shape[2], q.device), float("-inf")), dim=-1)
+        return (probs @ v.unsqueeze(2)).reshape(b, s.q_heads, t, s.head_dim)
+
+
+def _visible(t: int, L: int, device):
+    """[t, L]: query i sits at absolute position L - t + i and sees keys 0 .. L - t + i."""
+    return torch.arange(L, device=device)[None, :] <= torch.arange(t, device=device)[:, None] + (L - t)

@@ -201,6 +201,16 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * xf).to(x.dtype)
 
 
+def use_export_form(module: nn.Module) -> nn.Module:
+    """Switches every op module under `module` whose eager kernel is not what exporters and engines take
+    (routed MoE, fused attention, the sequential scan) to its export form: the same function as plain tensor
+    ops without data-dependent shapes, loops or fused-attention ops. For torch.export and ONNX only."""
+    for m in module.modules():
+        if hasattr(m, "export_form"):
+            m.export_form = True
+    return module
+
+
 def relu2(x):
     return F.relu(x).square()
 

@@ -121,17 +121,19 @@ def _segsum(a):
     return seg.masked_fill(~mask, float("-inf"))
 
 
-def ssd_chunked(x, dt, A, B, C, chunk: int, init_state):
+def ssd_chunked(x, dt, A, B, C, chunk: int, init_state, export: bool = False):
     """Chunked state-space-duality scan.
 
     x [b,t,h,p], dt [b,t,h] (discretisation step, already positive), A [h] (negative),
     B, C [b,t,h,n], init_state [b,h,p,n]. Returns y [b,t,h,p] (without the D skip) and the final state.
-    The sequence is zero-padded to at least two chunks: padded steps have dt = 0, so they neither
-    decay nor update the state, and the graph has no branch on the length (export-friendly).
+    Within a chunk the scan is an attention-like quadratic form; across chunks the state is carried one chunk
+    after the other, so no tensor grows with the square of the length beyond a chunk's. The export form
+    (`export`) carries it with a [chunks+1, chunks+1] decay matrix instead, a graph without a loop or a branch on
+    the length, and zero-pads to at least two chunks (padded steps have dt = 0: they neither decay nor update).
     """
     b, t, h, p = x.shape
     n = B.shape[-1]
-    c = (t + chunk - 1) // chunk + 1
+    c = (t + chunk - 1) // chunk + (1 if export else 0)
     pad = c * chunk - t
     x = F.pad(x * dt[..., None], (0, 0, 0, 0, 0, pad)).reshape(b, c, chunk, h, p)
     B = F.pad(B, (0, 0, 0, 0, 0, pad)).reshape(b, c, chunk, h, n)
@@ -144,10 +146,19 @@ def ssd_chunked(x, dt, A, B, C, chunk: int, init_state):
     # state contributed by each chunk, then carried across chunks
     to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b,h,c,l]
     chunk_states = torch.einsum("bclhn,bclhp->bchpn", B * to_end.permute(0, 2, 3, 1)[..., None], x)
-    states = torch.cat([init_state[:, None].to(chunk_states.dtype), chunk_states], dim=1)  # [b,c+1,h,p,n]
-    chunk_decay = torch.exp(_segsum(F.pad(a_cum[..., -1], (1, 0))))  # [b,h,c+1,c+1]
-    states = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)
-    prev_states, final = states[:, :-1], states[:, -1]
+    init = init_state.to(chunk_states.dtype)
+    if export:
+        states = torch.cat([init[:, None], chunk_states], dim=1)  # [b,c+1,h,p,n]
+        chunk_decay = torch.exp(_segsum(F.pad(a_cum[..., -1], (1, 0))))  # [b,h,c+1,c+1]
+        states = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)
+        prev_states, final = states[:, :-1], states[:, -1]
+    else:
+        decay = torch.exp(a_cum[..., -1])[..., None, None]  # [b,h,c,1,1]: each chunk's decay of the state
+        prev, state = [], init
+        for z in range(c):
+            prev.append(state)
+            state = state * decay[:, :, z] + chunk_states[:, z]
+        prev_states, final = torch.stack(prev, 1), state
     y_off = torch.einsum("bclhn,bchpn->bclhp", C, prev_states) * torch.exp(a_cum).permute(0, 2, 3, 1)[..., None]
     y = (y_diag + y_off).reshape(b, c * chunk, h, p)[:, :t]
     return y, final
@@ -166,6 +177,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(s.heads))
         self.norm = RMSNorm(s.inner, s.eps)
         self.out_proj = nn.Linear(s.inner, s.hidden, bias=False)
+        self.export_form = False  # the scan's export form (see ssd_chunked)
 
     def gated_norm(self, y, z):
         s = self.spec
@@ -208,7 +220,7 @@ class Mamba2Mixer(nn.Module):
                 ssm_state = ssm_state.float() * decay + (dt0[..., None] * x0)[..., None] * B0[:, :, None, :]
                 y = torch.einsum("bhpn,bhn->bhp", ssm_state, C0)[:, None]
             else:
-                y, ssm_state = ssd_chunked(x, dt, A, B, C, s.chunk, ssm_state.float())
+                y, ssm_state = ssd_chunked(x, dt, A, B, C, s.chunk, ssm_state.float(), self.export_form)
             y = y + x * self.D.float()[:, None]
             y = self.gated_norm(y.reshape(b, t, s.inner), z)
         return self.out_proj(y.to(u.dtype)), (new_conv, ssm_state)

@@ -147,10 +147,14 @@ class _MLP(nn.Module):
 
 
 class MoEMixer(nn.Module):
-    """Routes with plain tensor ops (topk, gather, einsum): no data-dependent Python, so it exports.
+    """Routes with the op's own top-k; each expert runs only over the tokens routed to it.
 
-    Prefill evaluates every expert on every token and mixes with a dense [tokens, experts] weight
-    matrix; decode gathers only the chosen experts' weights. Both give the same result.
+    Eager runs sort the (token, choice) pairs by expert and run one GEMM pair per expert that received tokens
+    (`expert_outputs`): the work is what routing chose, top-k of every token, whatever the number of experts.
+    The ONNX export asks for `export_form` instead: every expert on every token mixed with a dense
+    [tokens, experts] matrix (prefill) and a gather of the chosen experts' weights (decode), plain tensor ops
+    without data-dependent shapes, in which each quantized weight keeps the DequantizeLinear -> MatMul pattern
+    TensorRT builds. Both give the same result.
     """
 
     mode_aware = True
@@ -165,19 +169,26 @@ class MoEMixer(nn.Module):
         if s.latent:
             self.fc1_latent_proj = nn.Linear(s.hidden, s.latent, bias=False)
             self.fc2_latent_proj = nn.Linear(s.latent, s.hidden, bias=False)
+        self.export_form = False
+
+    def scores(self, x):
+        """x [n, hidden] -> (router scores, selection scores) [n, experts] in float32."""
+        with full_precision(x):
+            scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
+        return scores, scores + self.gate.e_score_correction_bias.float()
+
+    def combine(self, picked):
+        """The chosen experts' router scores [n, k] -> their mixing weights (renormalised, scaled)."""
+        s = self.spec
+        w = picked / (picked.sum(-1, keepdim=True) + 1e-20) if s.norm_topk else picked
+        return w * s.scaling
 
     def route(self, x, bias=None):
         """x [n, hidden] -> (chosen expert ids [n, k], their weights [n, k]) in float32. `bias` [experts] is
-        added to the selection scores only (importance removes an expert with -inf there: re-routing)."""
-        s = self.spec
-        with full_precision(x):
-            scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
-        select = scores + self.gate.e_score_correction_bias.float()
-        chosen = torch.topk(select if bias is None else select + bias, s.top_k, dim=-1).indices
-        w = scores.gather(1, chosen)
-        if s.norm_topk:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return chosen, w * s.scaling
+        added to the selection scores only."""
+        scores, select = self.scores(x)
+        chosen = torch.topk(select if bias is None else select + bias, self.spec.top_k, dim=-1).indices
+        return chosen, self.combine(scores.gather(1, chosen))
 
     def _act(self, side: str, x):
         """Fake-quantises the routed experts' inputs when the program quantises their activations."""
@@ -189,31 +200,99 @@ class MoEMixer(nn.Module):
         fmt, scale = acts[side]
         return fake_quantize(x, fmt, scale)
 
-    def _record(self, h, a, routed):
+    def stack(self, up: torch.Tensor, down: torch.Tensor) -> None:
+        """Holds the routed experts' weights as views into `up` [experts, d_ff, width] and `down` [experts, width,
+        d_ff]: the same parameters, names and values, over which a grouped GEMM runs without a copy per call."""
+        for side, base in (("up_proj", up), ("down_proj", down)):
+            for e, row in zip(self.experts, base):
+                getattr(e, side).weight = nn.Parameter(row, requires_grad=False)
+        self.__dict__["_stacked"] = (up, down)
+
+    def stacked(self):
+        """(up, down) when the experts' weights are still views into them (a cast, a reload or sharding replaces
+        them and so ends the stacking), else None."""
+        st = self.__dict__.get("_stacked")
+        if st is None:
+            return None
+        for side, base in zip(("up_proj", "down_proj"), st):
+            for j in (0, -1):
+                if getattr(self.experts[j], side).weight.data_ptr() != base[j].data_ptr():
+                    self.__dict__["_stacked"] = None
+                    return None
+        return st
+
+    def expert_outputs(self, h, chosen, visit=None):
+        """h [n, width] through each token's chosen experts (ids [n, k]) -> [n, k, width].
+
+        The (token, choice) pairs are sorted by expert, and each expert runs once over its rows: one grouped GEMM
+        pair over the stacked weights when they are stacked and nothing needs gradients (no host sync), else one
+        GEMM pair per expert that received tokens. `visit(j, x, a)` sees expert j's inputs and hidden
+        activations (activation calibration, importance statistics)."""
+        n, k = chosen.shape
+        ids = chosen.reshape(-1)
+        order = ids.argsort(stable=True)
+        counts = torch.bincount(ids, minlength=self.spec.experts)
+        rows = h[order // k]
+        st = None if visit is not None or torch.is_grad_enabled() else self.stacked()
+        if st is not None:
+            try:
+                done = self._grouped(rows, counts, *st)
+            except RuntimeError:  # no grouped GEMM for this device, dtype or alignment: the loop from now on
+                self.__dict__["_stacked"] = st = None
+        if st is None:
+            outs = []
+            for j, x in enumerate(rows.split(counts.tolist())):  # one host sync per call
+                if not len(x):
+                    continue
+                e = self.experts[j]
+                a = self._act("down", relu2(e.up_proj(x)))
+                if visit is not None:
+                    visit(j, x, a)
+                outs.append(e.down_proj(a))
+            if not outs:
+                return h.new_zeros(n, k, h.shape[-1])
+            done = torch.cat(outs)
+        return done.new_empty(done.shape).index_copy(0, order, done).reshape(n, k, -1)
+
+    def _grouped(self, rows, counts, up, down):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        a = self._act("down", relu2(torch._grouped_mm(rows.to(up.dtype), up.transpose(-1, -2), offs=offs)))
+        return torch._grouped_mm(a.to(down.dtype), down.transpose(-1, -2), offs=offs)
+
+    def _record(self, amax):
+        """Folds one call's per-expert amax [2, experts] (inputs, hidden activations) into the calibration."""
         stats = self.__dict__["calib"]
-        up = (h.abs().amax(-1, keepdim=True) * routed).amax(0).float()  # [E]
-        down = (a.abs().amax(-1) * routed).amax(0).float()
-        for side, v in (("up", up), ("down", down)):
+        for side, v in zip(("up", "down"), amax):
             stats[side] = torch.maximum(stats[side], v) if side in stats else v
+
+    def _export_form(self, h, chosen, w, decode):
+        s = self.spec
+        if decode:
+            up = torch.stack([e.up_proj.weight for e in self.experts])  # [E, d_ff, width]
+            down = torch.stack([e.down_proj.weight for e in self.experts])  # [E, width, d_ff]
+            a = self._act("down", relu2(torch.einsum("nw,nkfw->nkf", h, up[chosen])))
+            return torch.einsum("nkf,nkwf,nk->nw", a, down[chosen], w.to(h.dtype))
+        mix = torch.zeros(h.shape[0], s.experts, dtype=h.dtype, device=h.device).scatter(1, chosen, w.to(h.dtype))
+        a = [self._act("down", relu2(e.up_proj(h))) for e in self.experts]  # E x [n, d_ff]
+        return sum(e.down_proj(a_e) * mix[:, i:i + 1] for i, (e, a_e) in enumerate(zip(self.experts, a)))
 
     def forward(self, x, decode: bool = False):
         s = self.spec
         flat = x.reshape(-1, s.hidden)
         chosen, w = self.route(flat)
         h = self._act("up", self.fc1_latent_proj(flat) if s.latent else flat)
-        if decode:
-            up = torch.stack([e.up_proj.weight for e in self.experts])  # [E, d_ff, width]
-            down = torch.stack([e.down_proj.weight for e in self.experts])  # [E, width, d_ff]
-            a = self._act("down", relu2(torch.einsum("nw,nkfw->nkf", h, up[chosen])))
-            y = torch.einsum("nkf,nkwf,nk->nw", a, down[chosen], w.to(h.dtype))
+        if self.export_form:
+            y = self._export_form(h, chosen, w, decode)
         else:
-            # one plain linear per expert rather than an einsum over stacked weights: the same work, and in
-            # ONNX each quantized weight keeps the DequantizeLinear -> MatMul pattern TensorRT builds
-            mix = torch.zeros(flat.shape[0], s.experts, dtype=h.dtype, device=h.device).scatter(1, chosen, w.to(h.dtype))
-            a = [self._act("down", relu2(e.up_proj(h))) for e in self.experts]  # E x [n, d_ff]
-            if "calib" in self.__dict__:  # activation calibration: per expert, over the tokens routed to it
-                self._record(h, torch.stack(a, 1), mix != 0)
-            y = sum(e.down_proj(a_e) * mix[:, i:i + 1] for i, (e, a_e) in enumerate(zip(self.experts, a)))
+            calibrating = "calib" in self.__dict__  # activation calibration: per expert, over its tokens
+            amax = torch.zeros(2, s.experts, device=h.device)
+
+            def visit(j, x, a):
+                amax[0, j], amax[1, j] = x.detach().abs().amax(), a.detach().abs().amax()
+            out = self.expert_outputs(h, chosen, visit if calibrating else None)
+            if calibrating:
+                self._record(amax)
+            y = (out.float() * w[..., None]).sum(1).to(h.dtype)  # mixed in float32 (no autocast on mul, sum)
         if s.latent:
             y = self.fc2_latent_proj(y)
         y = y.reshape(x.shape)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -122,7 +123,9 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(compute.device.type, (world,))
-    student = _build(prog, compute, mesh, train=True, checkpointing=d.checkpointing)
+    # the training forward may use TF32 for its float32 matmuls on CUDA; the teacher computes exactly
+    trains = replace(compute, tf32=True)
+    student = _build(prog, trains, mesh, train=True, checkpointing=d.checkpointing)
     teacher = None if store else _build(teacher_prog, compute, mesh, train=False, checkpointing=False)
     head = [n.path for n in prog.nodes if n.op.kind == "mtp"]
     if d.head_only:
@@ -196,9 +199,11 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
         _reshard(student)
         ev.keep({"step": 0, **before})  # the starting point competes too: distillation must earn its keep
         try:
-            run = fit(student, step_loss, schedule, rng=gen, every=d.checkpoint_every, identity=identity,
-                      checkpoint=checkpoint, desc="distill", progress=progress and rank == 0, callbacks=[ev],
-                      micro=d.accumulate, no_sync=no_sync, zero_unused=shard == "fsdp" and world == 1)
+            with trains.matmul_precision():  # the backward's float32 matmuls too
+                run = fit(student, step_loss, schedule, rng=gen, every=d.checkpoint_every, identity=identity,
+                          checkpoint=checkpoint, desc="distill", progress=progress and rank == 0, callbacks=[ev],
+                          micro=d.accumulate, no_sync=no_sync, zero_unused=shard == "fsdp" and world == 1,
+                          scaler=compute.grad_scaler(sharded=mesh is not None))
         finally:
             s_undo(), t_undo()
         after = ev.measure()

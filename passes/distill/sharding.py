@@ -46,21 +46,28 @@ def shard_model(model, mesh) -> None:
     with everything else. Shared parameters stay whole in the root group: the embedding (which a tied LM
     head and the MTP head use by reference), the LM head (the MTP head's too), the final norm, and the MTP
     head's own fusion norms, projection and final norm, which its forward calls outside its blocks.
-    Parameters become this process's float32 shards (copies: the weight store is never written). A model
+    Parameters become this process's float32 shards (copies: the weight store is never written); a frozen
+    model's (the teacher's) matmul weights are held in the compute dtype (`hold_frozen`). A model
     built on the meta device is loaded one group at a time, each group sharded before the next is read, so
-    a process never holds more than its shards and one block in full."""
+    a process never holds more than its shards and one block in full.
+
+    Below float32 the student's block groups gather their parameters in the compute dtype and reduce the
+    gradients in float32 (`block_policy`); the root group stays float32 (the embedding starts the float32
+    residual stream)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     has = lambda m: any(True for _ in m.parameters())
+    train = any(p.requires_grad for p in model.parameters())
+    policy = block_policy(model.compute) if train else {}
     for n in model.program.blocks():
         m = _loaded(model, n)
         if has(m):
-            fully_shard(m, mesh=mesh)
+            fully_shard(m, mesh=mesh, **policy)
     for n in model.program.find("mtp"):
         _loaded(model, n)
     for layer in _mtp_layers(model):
         if hasattr(layer, "mixer") and has(layer.mixer):
-            fully_shard(layer.mixer, mesh=mesh)
+            fully_shard(layer.mixer, mesh=mesh, **policy)
     for n in model.program.nodes:
         _loaded(model, n)
     fully_shard(model, mesh=mesh)
@@ -71,8 +78,39 @@ def shard_model(model, mesh) -> None:
         register_fsdp_forward_method(model, name)
 
 
+def block_policy(compute: Compute) -> dict:
+    """fully_shard's keywords for a trained block group: below float32, parameters gathered (and the block
+    computed) in the compute dtype, gradients reduced in float32 into the float32 master shards. The
+    block's inputs are not cast: the residual stream stays float32, as without FSDP."""
+    if compute.dtype == torch.float32:
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=compute.dtype, reduce_dtype=torch.float32,
+                                              cast_forward_inputs=False)}
+
+
+def hold_frozen(module: torch.nn.Module, fp32: frozenset[str], dtype: torch.dtype) -> None:
+    """Holds a frozen module (the teacher) in the compute `dtype` where autocast would cast anyway: the
+    weights of its linear layers and convolutions, except the ops' float32 parameters (`fp32`: routers,
+    named relative to `module`); everything else (norms, biases, the embedding, SSM parameters) in float32.
+    The forward's numbers under autocast are the float32 model's, in half the memory."""
+    low = {f"{name}.weight" if name else "weight" for name, m in module.named_modules()
+           if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))} - set(fp32)
+    for name, p in module.named_parameters():
+        want = dtype if name in low else torch.float32
+        if p.dtype != want:
+            p.data = p.data.to(want)
+
+
+def fp32_names(prog: Program) -> frozenset[str]:
+    """The ops' float32 parameters (`OpSpec.fp32_params`) by their names in the whole model."""
+    return frozenset(f"{n.path}.{local}" for n in prog.nodes for local in n.op.fp32_params())
+
+
 def _loaded(model, node):
-    """The node's module, its weights read from the program's store (in float32) if it is still on meta."""
+    """The node's module, its weights read from the program's store (in float32; a frozen model's matmul
+    weights in the compute dtype, see hold_frozen) if it is still on meta."""
     from ...backends.torch import load_into
 
     m = model.get_submodule(node.path)
@@ -80,6 +118,8 @@ def _loaded(model, node):
         train = any(p.requires_grad for p in m.parameters())
         load_into(m, model.program.weights, "cpu", [node], node.path)
         m.float().requires_grad_(train)
+        if not train and model.compute.dtype != torch.float32:
+            hold_frozen(m, node.op.fp32_params(), model.compute.dtype)
     return m
 
 
@@ -95,11 +135,14 @@ def _fsdp_available() -> None:
 
 
 def _build(prog: Program, compute: Compute, mesh, train: bool, checkpointing: bool):
-    """The student (`train`: its own float32 copies of the weights) or the teacher (frozen), sharded over
-    `mesh` when there is one."""
+    """The student (`train`: its own float32 copies of the weights) or the teacher (frozen; below float32
+    its matmul weights held in the compute dtype), sharded over `mesh` when there is one."""
     from ...backends.torch import materialize
 
-    if mesh is None:
+    if mesh is None and not train and compute.dtype != torch.float32:
+        m = materialize(prog, compute=compute)  # in the store's dtype, then each weight cast once
+        hold_frozen(m, fp32_names(prog), compute.dtype)
+    elif mesh is None:
         m = materialize(prog, dtype=torch.float32, compute=compute)
         if train:
             for param in m.parameters():  # the store's tensors are shared with the teacher and snapshots:

@@ -39,7 +39,7 @@ def nmse(block: torch.nn.Module, x: torch.Tensor, d: torch.Tensor, batch: int = 
 def linear_fit(norm_weight: torch.Tensor, eps: float, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """The `linear` replacement's matrix W minimising ||norm(x) W^T - d||^2 (ridge 1e-6 of the mean
     eigenvalue): better than the product of the parent's weights, which ignores the nonlinearity."""
-    norm = RMSNorm(x.shape[-1], eps)
+    norm = RMSNorm(x.shape[-1], eps).to(x.device)  # beside the activations (the compute device)
     with torch.no_grad():
         norm.weight.copy_(norm_weight)
         a = norm(x).reshape(-1, x.shape[-1]).double()
@@ -77,7 +77,8 @@ def distill_block(block: torch.nn.Module, x: torch.Tensor, d: torch.Tensor, toke
         loss = (y.float() - x[i] - d[i]).pow(2).mean() / ref
         return loss, {"nmse": loss.item()}
 
-    fit(block, step_loss, Schedule(steps=steps, lr=lr, warmup=max(1, steps // 20)), rng=g, desc="bld")
+    fit(block, step_loss, Schedule(steps=steps, lr=lr, warmup=max(1, steps // 20)), rng=g, desc="bld",
+        scaler=compute.grad_scaler())
     trained = nmse(block, hx, hd, compute=compute) < 0.9 * before
     if not trained:
         block.load_state_dict(start)

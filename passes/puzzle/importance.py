@@ -48,30 +48,40 @@ def _mlp_stats(mixer, h, acc: _Sums, prefix: str = "") -> None:
 
 
 def _moe_stats(mixer, h, acc: _Sums) -> None:
+    """Routing frequencies, per-expert d_ff activity over its routed tokens, and each expert's removal damage.
+
+    Removing expert e (its selection score at -inf) changes only the tokens that chose it: their top-k becomes
+    the top-(k+1) without e, renormalised. So every token runs through its top-(k+1) experts once (routed, as
+    the forward runs them), and each removal is a recombination of those outputs: (k+1)/k of the forward's
+    expert work, instead of every expert on every token once per expert."""
     s = mixer.spec
     flat = h.reshape(-1, s.hidden)
     lat = mixer.fc1_latent_proj(flat) if s.latent else flat
-    up = torch.stack([e.up_proj.weight for e in mixer.experts])
-    down = torch.stack([e.down_proj.weight for e in mixer.experts])
-    a = relu2(torch.einsum("nw,efw->nef", lat, up))  # [n, E, d_ff]
-    out = torch.einsum("nef,ewf->new", a, down)  # every expert's output for every token
+    scores, select = mixer.scores(flat)
+    spare = min(s.top_k + 1, s.experts)
+    ranked = torch.topk(select, spare, dim=-1).indices  # [n, k+1]: the chosen experts, then the next one
+    picked = scores.gather(1, ranked)
+    ids = ranked.reshape(-1)
+    rows_of = ids.argsort(stable=True).split(torch.bincount(ids, minlength=s.experts).tolist())  # per expert
+    routed = (torch.arange(spare, device=flat.device) < s.top_k).repeat(flat.shape[0])  # per row: a top-k slot?
+    d_ff = torch.zeros(s.experts, s.d_ff, dtype=torch.float64, device=flat.device)
 
-    def routed(mask):  # the op's own routing, with `mask` on the selection scores
-        chosen, w = mixer.route(flat, mask)
-        mix = torch.zeros(flat.shape[0], s.experts, device=flat.device).scatter(1, chosen, w)
-        return torch.einsum("new,ne->nw", out, mix.to(out.dtype)), mix != 0
-
-    y, chosen = routed(torch.zeros(s.experts, device=flat.device))
-    acc.add("routing", chosen.float().sum(0))
+    def visit(j, x, a):  # a [rows of expert j, d_ff], in expert_outputs' order
+        d_ff[j] += (a.abs() * routed[rows_of[j]][:, None]).sum(0).double()
+    out = mixer.expert_outputs(lat, ranked, visit).float()  # [n, k+1, width]
+    k = s.top_k
+    y = (out[:, :k] * mixer.combine(picked[:, :k])[..., None]).sum(1)
+    chosen = torch.zeros(flat.shape[0], s.experts, device=flat.device).scatter(1, ranked[:, :k], 1.0)
+    acc.add("routing", chosen.sum(0))
     acc.add("tokens", torch.tensor(float(flat.shape[0])))
-    acc.add("d_ff", (a.abs() * chosen[..., None]).sum(0))  # [E, d_ff] over routed tokens
+    acc.add("d_ff", d_ff)
     acc.add("y2", y.pow(2).sum())
-    damage = []
-    for e in range(s.experts):
-        mask = torch.zeros(s.experts, device=flat.device)
-        mask[e] = float("-inf")
-        damage.append((routed(mask)[0] - y).pow(2).sum())
-    acc.add("damage", torch.stack(damage))
+    damage = torch.zeros(s.experts, dtype=torch.float64, device=flat.device)
+    for slot in range(k):  # the slot's expert removed: the others and the next one, renormalised
+        rest = [i for i in range(spare) if i != slot]
+        y_without = (out[:, rest] * mixer.combine(picked[:, rest])[..., None]).sum(1)
+        damage.index_add_(0, ranked[:, slot], (y_without - y).pow(2).sum(-1).double())
+    acc.add("damage", damage)
     if s.latent:
         acc.add("lat_in", lat.abs().sum(0))
         acc.add("lat_out", y.abs().sum(0))

@@ -1,0 +1,178 @@
+"""The eager kernels against their export forms and brute force: routed MoE (looped with gradients, grouped
+over stacked weights without), fused attention, the chunk-by-chunk scan, importance's re-routing damage,
+per-expert calibration and inference weights held in the compute dtype."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from puzzlekit.backends.torch import hold_in, materialize
+from puzzlekit.ir.ops import Attention, Mamba2, MoE
+from puzzlekit.ir.ops.base import relu2, use_export_form
+from puzzlekit.passes.puzzle.importance import _moe_stats, _Sums
+
+TOL = 1e-5
+
+
+def _rel(got, want) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item()
+
+
+def _block(spec, seed=0):
+    torch.manual_seed(seed)
+    b = spec.build()
+    with torch.no_grad():
+        for name, p in b.named_parameters():
+            if not name.endswith(("A_log", "dt_bias")):
+                p.normal_(0, 0.3)
+        for name, t in b.named_buffers():
+            t.normal_(0, 0.1)
+    return b
+
+
+def _stack(mixer):
+    mixer.stack(torch.stack([e.up_proj.weight.detach().clone() for e in mixer.experts]),
+                torch.stack([e.down_proj.weight.detach().clone() for e in mixer.experts]))
+
+
+MOES = {"plain": MoE(hidden=32, experts=16, top_k=3, d_ff=24, shared_d_ff=16, scaling=2.0),
+        "latent": MoE(hidden=32, experts=16, top_k=3, d_ff=24, shared_d_ff=0, latent=16, norm_topk=False)}
+
+
+@pytest.mark.parametrize("name", list(MOES))
+def test_routed_moe_equals_every_expert_form(name):
+    block = _block(MOES[name])
+    x = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(1))
+    dense = _block(MOES[name])
+    use_export_form(dense)
+    with torch.no_grad():
+        want, want_dec = dense(x)[0], dense(x[:, :1], None, True)[0]
+    looped = block(x)[0]  # gradients on: one GEMM pair per expert
+    with torch.no_grad():
+        _stack(block.mixer)
+        assert block.mixer.stacked() is not None
+        grouped, grouped_dec = block(x)[0], block(x[:, :1], None, True)[0]
+    assert want.abs().max() > 0.1
+    for got in (looped, grouped):
+        assert _rel(got, want) < TOL
+    assert _rel(grouped_dec, want_dec) < TOL
+
+
+def test_routed_moe_runs_each_expert_on_its_tokens_only():
+    """The work follows top-k: every expert sees exactly the tokens that chose it, and no other."""
+    spec = MOES["plain"]
+    block = _block(spec)
+    x = torch.randn(40, spec.hidden, generator=torch.Generator().manual_seed(2))
+    chosen, _ = block.mixer.route(x)
+    seen = {}
+    hooks = [e.up_proj.register_forward_hook(lambda m, a, o, j=j: seen.__setitem__(j, a[0].shape[0]))
+             for j, e in enumerate(block.mixer.experts)]
+    block.mixer(x[None])
+    for h in hooks:
+        h.remove()
+    want = {j: int((chosen == j).sum()) for j in range(spec.experts) if (chosen == j).any()}
+    assert seen == want and sum(seen.values()) == 40 * spec.top_k
+
+
+def test_stacking_ends_when_the_weights_are_replaced():
+    block = _block(MOES["plain"])
+    _stack(block.mixer)
+    assert block.mixer.stacked() is not None
+    block.to(torch.float64)  # a cast gives every expert a new tensor: the stacked copy is stale
+    assert block.mixer.stacked() is None
+    x = torch.randn(1, 9, 32, dtype=torch.float64)
+    with torch.no_grad():
+        block(x)  # runs (the per-expert loop)
+
+
+def test_moe_calibration_amax_is_per_expert_over_its_tokens():
+    spec = MOES["plain"]
+    block = _block(spec)
+    x = torch.randn(50, spec.hidden, generator=torch.Generator().manual_seed(3))
+    block.mixer.__dict__["calib"] = {}
+    with torch.no_grad():
+        block.mixer(x[None])
+    stats = block.mixer.__dict__.pop("calib")
+    chosen, _ = block.mixer.route(x)
+    for j, e in enumerate(block.mixer.experts):
+        rows = x[(chosen == j).any(-1)]
+        up = rows.abs().amax() if len(rows) else torch.tensor(0.0)
+        down = relu2(e.up_proj(rows)).abs().amax() if len(rows) else torch.tensor(0.0)
+        assert torch.allclose(stats["up"][j], up) and torch.allclose(stats["down"][j], down.detach())
+
+
+@pytest.mark.parametrize("name", list(MOES))
+def test_importance_damage_equals_rerouting_by_brute_force(name):
+    """Removing an expert = its selection score at -inf, the native top-k choosing again (the oracle runs the
+    mixer once per removed expert, every expert on every token)."""
+    spec = MOES[name]
+    block = _block(spec)
+    h = torch.randn(2, 30, spec.hidden, generator=torch.Generator().manual_seed(4))
+    acc = _Sums()
+    with torch.no_grad():
+        _moe_stats(block.mixer, h, acc)
+        flat = h.reshape(-1, spec.hidden)
+        lat = block.mixer.fc1_latent_proj(flat) if spec.latent else flat
+        every = torch.stack([e.down_proj(relu2(e.up_proj(lat))) for e in block.mixer.experts], 1)  # [n, E, w]
+
+        def routed(bias):
+            chosen, w = block.mixer.route(flat, bias)
+            mix = torch.zeros(flat.shape[0], spec.experts).scatter(1, chosen, w)
+            return torch.einsum("new,ne->nw", every, mix), mix != 0
+        y, chosen = routed(torch.zeros(spec.experts))
+        damage = []
+        for e in range(spec.experts):
+            mask = torch.zeros(spec.experts)
+            mask[e] = float("-inf")
+            damage.append((routed(mask)[0] - y).pow(2).sum())
+    assert torch.equal(acc.sums["routing"], chosen.double().sum(0))
+    assert _rel(acc.sums["damage"], torch.stack(damage).double()) < TOL
+    a = torch.stack([relu2(e.up_proj(lat)) for e in block.mixer.experts], 1)  # [n, E, d_ff]
+    assert _rel(acc.sums["d_ff"], (a.abs() * chosen[..., None]).sum(0).double().detach()) < TOL
+
+
+def test_fused_attention_equals_written_out():
+    spec = Attention(hidden=32, q_heads=8, kv_heads=2, head_dim=8)
+    fused, written = _block(spec), _block(spec)
+    use_export_form(written)
+    x = torch.randn(2, 19, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for b in (fused, written):
+            b.out = [b(x)[0]]
+            y1, s1 = b(x[:, :6])
+            y2, s2 = b(x[:, 6:18], s1)  # a chunk after cached tokens
+            y3, _ = b(x[:, 18:], s2, True)  # one token
+            b.out.append(torch.cat([y1, y2, y3], 1))
+    for got, want in zip(fused.out, written.out):
+        assert want.abs().max() > 0.1 and _rel(got, want) < TOL
+    assert _rel(fused.out[1], fused.out[0]) < TOL  # cached = uncached
+
+
+def test_chunk_by_chunk_scan_equals_the_decay_matrix_form():
+    spec = Mamba2(hidden=32, heads=4, head_dim=8, state=8, groups=2, chunk=4)
+    loop, matrix = _block(spec), _block(spec)
+    use_export_form(matrix)
+    x = torch.randn(2, 23, 32, generator=torch.Generator().manual_seed(6))  # six chunks, the last one partial
+    with torch.no_grad():
+        (y1, (_, s1)), (y2, (_, s2)) = loop(x), matrix(x)
+    assert y2.abs().max() > 0.1
+    assert _rel(y1, y2) < TOL and _rel(s1, s2) < TOL
+
+
+def test_inference_weights_are_cast_once_to_the_same_numbers(make_small_program):
+    """bf16 inference: Linear weights held in bf16, routers and norms as stored, and the logits bit for bit
+    those of autocast casting every weight on every call."""
+    from puzzlekit.backends.torch.device import Compute
+
+    prog = make_small_program()
+    compute = Compute(torch.device("cpu"), torch.bfloat16)
+    held, cast = materialize(prog, compute=compute, inference=True), materialize(prog, compute=compute)
+    ids = torch.randint(0, prog.find("embed")[0].op.vocab, (2, 9), generator=torch.Generator().manual_seed(7))
+    dtypes = {n: p.dtype for n, p in held.named_parameters()}
+    assert all(d == torch.bfloat16 for n, d in dtypes.items() if n.endswith(("proj.weight", "conv1d.weight")))
+    assert all(d == torch.float32 for n, d in dtypes.items() if "norm" in n or ".gate." in n)
+    with torch.no_grad():
+        a, b = held(ids), cast(ids)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert hold_in(held, torch.float32) is held
