@@ -67,7 +67,8 @@ def test_routed_moe_runs_each_expert_on_its_tokens_only():
     seen = {}
     hooks = [e.up_proj.register_forward_hook(lambda m, a, o, j=j: seen.__setitem__(j, a[0].shape[0]))
              for j, e in enumerate(block.mixer.experts)]
-    block.mixer(x[None])
+    with torch.no_grad():  # unstacked, without gradients: the per-expert loop, whose calls the hooks see
+        block.mixer(x[None])
     for h in hooks:
         h.remove()
     want = {j: int((chosen == j).sum()) for j in range(spec.experts) if (chosen == j).any()}
@@ -176,3 +177,24 @@ def test_inference_weights_are_cast_once_to_the_same_numbers(make_small_program)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
     assert hold_in(held, torch.float32) is held
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_moe_gradients_equal_the_every_expert_form(dtype):
+    """Training runs the experts as one autograd node with its own backward: its gradients (inputs, every
+    expert's weights, the router's) against autograd through the every-expert form; under bf16 autocast both
+    compute in bf16, so they agree to bf16's precision."""
+    spec = MOES["plain"]
+    fused, dense = _block(spec), _block(spec)
+    use_export_form(dense)
+    x = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(8))
+    grads = []
+    for b in (fused, dense):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            b(xi)[0].float().pow(2).mean().backward()
+        grads.append([xi.grad] + [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.parameters()])
+    tol = TOL if dtype == torch.float32 else 2e-2
+    assert grads[1][0].abs().max() > 0
+    for got, want in zip(*grads):
+        assert _rel(got, want) < tol
