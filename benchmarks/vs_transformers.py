@@ -101,8 +101,8 @@ def train_step(model, ids, hf: bool):
 def check(hf, ours, ids, prompt) -> dict:
     """Logits equal; each token of puzzlekit's cached greedy generation is the argmax of transformers' full
     forward over the same tokens, wherever its top two logits are more than 1e-3 apart (closer, float rounding
-    may pick either). The oracle is transformers' full forward, not its `generate`: on CPU its cached decode
-    drifts from its own full forward (the drift is printed)."""
+    may pick either). The oracle is transformers' full forward; how often its own `generate` leaves that
+    argmax is printed (before transformers 5.25 its cached decode clamped dt differently from its prefill)."""
     with torch.no_grad():
         want, got = hf(ids, use_cache=False).logits, ours(ids)
         got = got[0] if isinstance(got, tuple) else got

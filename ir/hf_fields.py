@@ -23,7 +23,7 @@ FIELD_TYPES = {
                      "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
                      "moe_latent_size", "n_shared_experts", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "intermediate_size", "num_nextn_predict_layers", "n_group", "topk_group"), _INT),
-    **dict.fromkeys(("layer_norm_epsilon", "time_step_min", "routed_scaling_factor"), _NUM),
+    **dict.fromkeys(("layer_norm_epsilon", "routed_scaling_factor"), _NUM),
     **dict.fromkeys(("tie_word_embeddings", "use_conv_bias", "norm_topk_prob", "attention_bias", "mlp_bias",
                      "use_bias", "mamba_proj_bias"), _BOOL),
     **dict.fromkeys(("dtype", "torch_dtype", "mamba_hidden_act", "mlp_hidden_act"), _STR),
@@ -31,8 +31,33 @@ FIELD_TYPES = {
                      "mtp_layers_block_type"), _LAYOUT),
     "block_configs": _LIST, "mtp_block_configs": _LIST, "mtp": _OBJECT,
 }
-#: lower bounds beyond the JSON type: the epsilon is > 0; dt's lower clamp is >= 0 (0: no clamp, as vLLM runs)
-_BOUNDS = {"layer_norm_epsilon": (lambda v: v > 0, "> 0"), "time_step_min": (lambda v: v >= 0, ">= 0")}
+#: lower bounds beyond the JSON type: the epsilon is > 0
+_BOUNDS = {"layer_norm_epsilon": (lambda v: v > 0, "> 0")}
+#: transformers' JSON spelling of an infinite float (json has none)
+INFINITY = {"__float__": "Infinity"}
+
+
+def _limit_value(v):
+    if v == INFINITY:
+        return math.inf
+    return float(v) if type(v) in (int, float) else None
+
+
+def dt_clamp(cfg: dict, src) -> float:
+    """dt's lower clamp: `time_step_limit`'s lower end (transformers and vLLM clamp softplus(dt + dt_bias) to
+    `time_step_limit`, by default (0, inf); `time_step_min` only initialises dt_bias). puzzlekit clamps from
+    below only, so an upper end must be infinite."""
+    lim = cfg.get("time_step_limit")
+    if lim is None:
+        return 0.0
+    lo, hi = (_limit_value(v) for v in lim) if type(lim) is list and len(lim) == 2 else (None, None)
+    if lo is None or hi is None or not math.isfinite(lo) or lo < 0 or hi < lo:
+        raise CheckpointError(f"{src}: config field 'time_step_limit' must be [low, high] with 0 <= low <= high, "
+                              f"got {short(lim)}; fix it in the config")
+    if math.isfinite(hi):
+        raise CheckpointError(f"{src}: config field 'time_step_limit' clamps dt from above at {hi:g}; puzzlekit "
+                              "clamps it from below only: set the upper end to Infinity if the model allows it")
+    return lo
 
 
 def _finite(v) -> bool:
@@ -60,6 +85,7 @@ def check_fields(cfg: dict, src) -> None:
             raise CheckpointError(f"{src}: config field {k!r} must be {want}, got {short(v)}; fix it in the config")
         if v is not None and k in _BOUNDS and not _BOUNDS[k][0](v):
             raise CheckpointError(f"{src}: config field {k!r} must be {_BOUNDS[k][1]}, got {v!r}; fix it in the config")
+    dt_clamp(cfg, src)
 
 
 def need(cfg: dict, key: str, src):
@@ -81,7 +107,7 @@ def _spec_of(kind: str, cfg: dict, src) -> OpSpec:
     if kind == "mamba2":
         return Mamba2(hidden, g("mamba_num_heads"), g("mamba_head_dim"), g("ssm_state_size"), g("n_groups"),
                       cfg.get("conv_kernel", 4), cfg.get("chunk_size", 128), cfg.get("use_conv_bias", True),
-                      float(cfg.get("time_step_min", 0.001)), eps)
+                      dt_clamp(cfg, src), eps)
     if kind == "moe":
         return MoE(hidden, g("n_routed_experts"), g("num_experts_per_tok"), g("moe_intermediate_size"),
                    g("moe_shared_expert_intermediate_size") if cfg.get("n_shared_experts", 1) else 0,
@@ -138,7 +164,7 @@ def fields_of(op: OpSpec) -> dict:
     if isinstance(op, Mamba2):
         return {"mamba_num_heads": op.heads, "mamba_head_dim": op.head_dim, "ssm_state_size": op.state,
                 "n_groups": op.groups, "conv_kernel": op.conv, "chunk_size": op.chunk, "use_conv_bias": op.conv_bias,
-                "time_step_min": op.dt_min}
+                "time_step_limit": [op.dt_min, INFINITY]}
     if isinstance(op, MoE):
         return {"n_routed_experts": op.experts, "num_experts_per_tok": op.top_k, "moe_intermediate_size": op.d_ff,
                 "moe_shared_expert_intermediate_size": op.shared_d_ff, "moe_latent_size": op.latent or None,

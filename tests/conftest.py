@@ -156,6 +156,7 @@ def _served_layers(cfg: dict) -> list[tuple[str, dict, object]]:
     transformers = pytest.importorskip("transformers")
     from transformers.models.nemotron_h import modeling_nemotron_h as hfm
 
+    cfg = transformers.PretrainedConfig._decode_special_floats(cfg)  # as transformers reads a config.json
     layers = [(f"backbone.layers.{i}.", b, i, cfg["layers_block_type"]) for i, b in enumerate(cfg["block_configs"])]
     layers += [(f"mtp.layers.{i}.", b, i, cfg["mtp_layers_block_type"]) for i, b in enumerate(cfg["mtp_block_configs"])]
     out = []

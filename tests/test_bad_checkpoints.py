@@ -331,7 +331,8 @@ def tiny_hf_config(**changes) -> dict:
         "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
         "hidden_size": 32, "vocab_size": 64, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
         "hybrid_override_pattern": "M*E-ME", "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8,
-        "n_groups": 2, "chunk_size": 4, "conv_kernel": 4, "use_conv_bias": True, "time_step_min": 0.001,
+        "n_groups": 2, "chunk_size": 4, "conv_kernel": 4, "use_conv_bias": True,
+        "time_step_limit": [0.001, {"__float__": "Infinity"}],
         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
         "moe_shared_expert_intermediate_size": 24, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
         "norm_topk_prob": True, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
@@ -357,8 +358,9 @@ BAD_HF_FIELDS = [  # (changes, parts of the message)
     ({"layer_norm_epsilon": float("nan")}, ["'layer_norm_epsilon'", "finite"]),
     ({"layer_norm_epsilon": 10**400}, ["'layer_norm_epsilon'", "finite"]),
     ({"routed_scaling_factor": float("inf")}, ["'routed_scaling_factor'", "finite"]),
-    ({"time_step_min": -0.001}, ["'time_step_min'", ">= 0"]),
-    ({"time_step_min": "0.001"}, ["'time_step_min'", "number"]),
+    ({"time_step_limit": [-0.001, {"__float__": "Infinity"}]}, ["'time_step_limit'", "0 <= low"]),
+    ({"time_step_limit": "0.001"}, ["'time_step_limit'", "[low, high]"]),
+    ({"time_step_limit": [0.0, 0.1]}, ["'time_step_limit'", "from above", "Infinity"]),
     ({"tie_word_embeddings": "false"}, ["'tie_word_embeddings'", "true or false"]),
     ({"torch_dtype": "int64"}, ["'torch_dtype'", "int64"]),
     ({"torch_dtype": 16}, ["'torch_dtype'", "string"]),
@@ -446,7 +448,7 @@ def hf_model(tied: bool, equal_head: bool, pattern: str = "ME*-ME"):
     cfg = transformers.NemotronHConfig(
         vocab_size=64, hidden_size=32, layers_block_type=[LETTER[c] for c in pattern], num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
-        ssm_state_size=8, conv_kernel=4, chunk_size=4, time_step_min=0.01, n_routed_experts=4,
+        ssm_state_size=8, conv_kernel=4, chunk_size=4, time_step_limit=(0.01, float("inf")), n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
         routed_scaling_factor=2.0, tie_word_embeddings=tied)
     torch.manual_seed(0)

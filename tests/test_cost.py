@@ -658,3 +658,24 @@ def test_the_published_memory_figures():
     assert p.weight_bytes / 2**30 == pytest.approx(70, rel=0.10) and c.weight_bytes / 2**30 == pytest.approx(44.5, rel=0.10)
     assert p.max_concurrency == 1 and 7 <= c.max_concurrency <= 9
     assert p.binding == c.binding == "memory"
+
+
+@pytest.mark.parametrize("body,words", [
+    ("input_len = 'lots'", ["input_len = 'lots'", "not an integer", "takes an integer"]),
+    ("rate_floor = 'fast'", ["rate_floor", "a number"]),
+    ("input_len = 2.5", ["input_len = 2.5", "an integer"]),
+    ("concurrency = true", ["concurrency = True", "an integer"]),
+    ("mtp_resident = 1", ["mtp_resident = 1", "true or false"]),
+    ("kv_dtype = 8", ["kv_dtype = 8", "a string"]),
+    ("input_len = -3", ["input_len", ">= 1"]),
+    ("kv_dtype = 'fp7'", ["kv_dtype='fp7'", "one of"]),
+])
+def test_a_scenario_file_with_a_wrong_value_names_the_file_the_key_and_what_it_takes(tmp_path, body, words):
+    """(A string where a number belongs ended in "'<' not supported between instances of 'str' and 'int'".)"""
+    from puzzlekit.backends.cost.scenario import get_scenario
+
+    f = tmp_path / "mine.toml"
+    f.write_text(f"[mine]\n{body}\n")
+    with pytest.raises(PuzzlekitError) as e:
+        get_scenario(str(f))
+    assert str(f) in str(e.value) and all(w in str(e.value) for w in words), str(e.value)

@@ -166,8 +166,19 @@ def test_threads_follow_the_model_size_and_the_cpus_this_process_may_use(monkeyp
     assert device.threads_for(1_000_000) == 1  # the built-in model: one thread
     assert device.threads_for(50_000_000) == 2 and device.threads_for(10**11) == 4  # never more than allowed
     assert device.threads_for(1_000_000, requested=3) == 3
+    assert device.threads_for(50_000_000, requested=0) == 2  # 0: the size's choice
     with pytest.raises(device.DeviceError, match="--threads"):
         device.threads_for(1, requested=-1)
+    with pytest.warns(UserWarning, match="--threads 100000: this process may use 4 CPUs; using 4"):
+        assert device.threads_for(1, requested=100_000) == 4  # torch's pool crashes far past the CPUs
+
+
+def test_far_too_many_threads_are_clamped_not_a_crash():
+    """`eval --threads 100000` in a real process (it ended in a segmentation fault): clamped, said, evaluated."""
+    p = subprocess.run([sys.executable, "-m", "puzzlekit.tools", "eval", "--threads", "100000", "--windows", "4",
+                        "--prompts", "2", "--seq", "64", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "--threads 100000: this process may use" in p.stderr and "bits_per_byte" in p.stdout
 
 
 def test_commands_set_the_threads_they_choose():

@@ -37,7 +37,7 @@ def _config(latent, pattern=PATTERN) -> NemotronHConfig:
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
         mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4,
         chunk_size=4,  # smaller than the sequences below: several chunks plus padding
-        time_step_min=0.01,  # active on some steps with the dt_bias below
+        time_step_limit=(0.01, float("inf")),  # dt's clamp: active on some steps with the dt_bias below
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         moe_shared_expert_intermediate_size=24, moe_latent_size=latent, routed_scaling_factor=2.0,
         tie_word_embeddings=False,

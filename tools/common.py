@@ -53,8 +53,8 @@ def add_compute_arguments(parser) -> None:
                         help="the forward's precision (auto: bfloat16 on CUDA, float32 on CPU); weights, optimizer "
                              "state and losses stay float32")
     parser.add_argument("--threads", type=int, default=0, metavar="N",
-                        help="CPU threads per process (default: one per 20M parameters, at most the CPUs this "
-                             "process may use)")
+                        help="CPU threads per process (0 or left out: one per 20M parameters; at most the CPUs this "
+                             "process may use, a larger N is clamped to them with a warning)")
     parser.add_argument("--max-memory", default="", metavar="SIZE",
                         help="host memory for weights and activations, e.g. 24GB (default: half of what is available); "
                              "a larger model is run layer by layer from its checkpoint")

@@ -99,8 +99,27 @@ def scenarios(path: Path = SCENARIOS_FILE) -> dict[str, Scenario]:
         unknown = sorted(set(v) - known) if isinstance(v, dict) else ["(not a table)"]
         if unknown:
             raise PuzzlekitError(f"{path}: scenario {k!r} has unknown field(s) {unknown}; known: {', '.join(sorted(known))}")
-        out[k] = Scenario(name=k, **v)
+        for f in dataclasses.fields(Scenario):
+            if f.name in v and not _is(v[f.name], f.type):
+                raise PuzzlekitError(f"{path}: scenario {k!r}: {f.name} = {v[f.name]!r} is not {_KINDS[f.type][1]}; "
+                                     f"{f.name} takes {_KINDS[f.type][1]} (default {f.default!r})")
+        try:
+            out[k] = Scenario(name=k, **v).check()
+        except PuzzlekitError as e:
+            raise PuzzlekitError(f"{path}: {e}") from None
     return out
+
+
+#: a field's annotation -> (the TOML values it takes, in words)
+_KINDS = {"int": (int, "an integer"), "float": ((int, float), "a number"), "str": (str, "a string"),
+          "bool": (bool, "true or false")}
+
+
+def _is(value, annotation: str) -> bool:
+    """Whether a TOML value fits a field (a bool is not a number here, though Python's bool is an int)."""
+    if annotation == "bool" or not isinstance(value, bool):
+        return isinstance(value, _KINDS[annotation][0])
+    return False
 
 
 def get_scenario(name: str, **overrides) -> Scenario:

@@ -13,6 +13,7 @@ import contextlib
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -130,10 +131,16 @@ def cpus() -> int:
 
 def threads_for(params: int, requested: int = 0) -> int:
     """Intra-op threads for a model of `params` parameters: `requested` (--threads) when given, else one per
-    20M parameters, at least 1 and at most `cpus()`. A small model's matmuls are too short to split: more
-    threads only spin against each other, and against any other process on the machine (8-20x slower)."""
+    20M parameters, at least 1 and at most `cpus()` (0: that choice). A small model's matmuls are too short to
+    split: more threads only spin against each other, and against any other process on the machine (8-20x
+    slower). More than `cpus()` is clamped, with a warning: torch's thread pool crashes far past them."""
     if requested < 0:
-        raise DeviceError(f"--threads {requested}: give a positive number of threads (or leave it out)")
+        raise DeviceError(f"--threads {requested}: give a positive number of threads (or 0 / leave it out: one "
+                          "per 20M parameters)")
+    if requested > cpus():
+        warnings.warn(f"--threads {requested}: this process may use {cpus()} CPUs; using {cpus()} threads",
+                      stacklevel=2)
+        return cpus()
     if requested:
         return requested
     return max(1, min(cpus(), params // PARAMS_PER_THREAD))
