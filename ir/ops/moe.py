@@ -225,9 +225,10 @@ class MoEMixer(nn.Module):
         """h [n, width] through each token's chosen experts (ids [n, k]) -> [n, k, width].
 
         The (token, choice) pairs are sorted by expert, and each expert runs once over its rows: one grouped GEMM
-        pair over the stacked weights when they are stacked and nothing needs gradients (no host sync), else one
-        GEMM pair per expert that received tokens. `visit(j, x, a)` sees expert j's inputs and hidden
-        activations (activation calibration, importance statistics)."""
+        pair over the stacked weights when they are stacked and nothing needs gradients (no host sync); under
+        gradients one autograd node over the experts (`_RoutedExperts`); else one GEMM pair per expert that
+        received tokens. `visit(j, x, a)` sees expert j's inputs and hidden activations (activation
+        calibration, importance statistics)."""
         n, k = chosen.shape
         ids = chosen.reshape(-1)
         order = ids.argsort(stable=True)
