@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from puzzlekit.backends.torch import hold_in, materialize
+from puzzlekit.backends.torch import hold_in, materialize, stack_experts
 from puzzlekit.ir.ops import Attention, Mamba2, MoE
 from puzzlekit.ir.ops.base import relu2, use_export_form
 from puzzlekit.passes.puzzle.importance import _moe_stats, _Sums
@@ -30,11 +30,6 @@ def _block(spec, seed=0):
     return b
 
 
-def _stack(mixer):
-    mixer.stack(torch.stack([e.up_proj.weight.detach().clone() for e in mixer.experts]),
-                torch.stack([e.down_proj.weight.detach().clone() for e in mixer.experts]))
-
-
 MOES = {"plain": MoE(hidden=32, experts=16, top_k=3, d_ff=24, shared_d_ff=16, scaling=2.0),
         "latent": MoE(hidden=32, experts=16, top_k=3, d_ff=24, shared_d_ff=0, latent=16, norm_topk=False)}
 
@@ -49,7 +44,7 @@ def test_routed_moe_equals_every_expert_form(name):
         want, want_dec = dense(x)[0], dense(x[:, :1], None, True)[0]
     looped = block(x)[0]  # gradients on: one GEMM pair per expert
     with torch.no_grad():
-        _stack(block.mixer)
+        stack_experts(block.mixer)
         assert block.mixer.stacked() is not None
         grouped, grouped_dec = block(x)[0], block(x[:, :1], None, True)[0]
     assert want.abs().max() > 0.1
@@ -77,7 +72,7 @@ def test_routed_moe_runs_each_expert_on_its_tokens_only():
 
 def test_stacking_ends_when_the_weights_are_replaced():
     block = _block(MOES["plain"])
-    _stack(block.mixer)
+    stack_experts(block.mixer)
     assert block.mixer.stacked() is not None
     block.to(torch.float64)  # a cast gives every expert a new tensor: the stacked copy is stale
     assert block.mixer.stacked() is None
@@ -172,6 +167,8 @@ def test_inference_weights_are_cast_once_to_the_same_numbers(make_small_program)
     dtypes = {n: p.dtype for n, p in held.named_parameters()}
     assert all(d == torch.bfloat16 for n, d in dtypes.items() if n.endswith(("proj.weight", "conv1d.weight")))
     assert all(d == torch.float32 for n, d in dtypes.items() if "norm" in n or ".gate." in n)
+    mixers = [m for m in held.modules() if hasattr(m, "stacked")]
+    assert mixers and all(m.stacked() is not None and m.stacked()[0].dtype == torch.bfloat16 for m in mixers)
     with torch.no_grad():
         a, b = held(ids), cast(ids)
     for x, y in zip(a, b):
@@ -198,3 +195,14 @@ def test_routed_moe_gradients_equal_the_every_expert_form(dtype):
     assert grads[1][0].abs().max() > 0
     for got, want in zip(*grads):
         assert _rel(got, want) < tol
+
+
+def test_streamed_layers_stack_their_experts_in_the_dtype_they_compute_in(make_small_program):
+    """A bf16 checkpoint read in float32 (importance, scoring): the experts are stacked after the cast, so the
+    float32 passes run the grouped GEMMs too."""
+    from puzzlekit.backends.torch.stream import StreamedProgram
+
+    prog = make_small_program(dtype=torch.bfloat16)
+    node = prog.blocks("moe")[0]
+    mixer = StreamedProgram(prog, dtype=torch.float32).module(node).mixer
+    assert mixer.stacked() is not None and mixer.stacked()[0].dtype == torch.float32

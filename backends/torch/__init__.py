@@ -101,30 +101,22 @@ class ProgramModule(nn.Module):
         return self._run(token_ids.reshape(-1, 1), state, True)
 
 
-def load_weights(module: ProgramModule, weights: WeightStore | None = None, stack: bool = False) -> ProgramModule:
+def load_weights(module: ProgramModule, weights: WeightStore | None = None) -> ProgramModule:
     """Puts the store's tensors into the module, on its device (on CPU the module shares them). Quantised
     weights are dequantised (fake quantization) and the inputs of weights with an activation format are
     quantised-dequantised at run time."""
-    load_into(module, weights or module.program.weights, module.compute.device, module.program.nodes, stack=stack)
+    load_into(module, weights or module.program.weights, module.compute.device, module.program.nodes)
     return module
 
 
-def load_into(root: nn.Module, w: WeightStore, device, nodes, base: str = "", stack: bool = False) -> None:
+def load_into(root: nn.Module, w: WeightStore, device, nodes, base: str = "") -> None:
     """Loads `root`'s parameters from the store: `base` is the path of `root` in the program ("" for a whole
-    ProgramModule, a node's path for that node's module alone); `nodes` are the nodes it holds. `stack` (modules
-    for inference) holds each MoE's routed experts in two stacked tensors (`MoEMixer.stack`): a copy of them,
-    made once, for grouped GEMMs."""
+    ProgramModule, a node's path for that node's module alone); `nodes` are the nodes it holds."""
     full = {k: f"{base}.{k}" if base else k for k in root.state_dict()}
     missing = sorted(n for n in full.values() if n not in w)
     if missing:
         raise KeyError(f"the weight store lacks {missing[:3]}")
-    state = {k: _dense(w.get(n)).to(device) for k, n in full.items()}
-    root.load_state_dict(state, strict=True, assign=True)
-    for path, m in root.named_modules() if stack else ():
-        if isinstance(m, MoEMixer):
-            pre = f"{path}.experts." if path else "experts."
-            m.stack(*(torch.stack([state[f"{pre}{j}.{side}.weight"] for j in range(m.spec.experts)])
-                      for side in ("up_proj", "down_proj")))
+    root.load_state_dict({k: _dense(w.get(n)).to(device) for k, n in full.items()}, strict=True, assign=True)
     cut = len(base) + 1 if base else 0
     for n in nodes:
         for local, fmt in n.op.quant:
@@ -162,11 +154,13 @@ def materialize(prog: Program, dtype: torch.dtype | None = None, compute: Comput
     m = ProgramModule(prog, device="meta" if meta else compute.device)
     if not meta:
         m.compute = compute  # its dtype too
-        load_weights(m, stack=inference)
+        load_weights(m)
     if dtype is not None:
         m.to(dtype)
     elif inference:
         hold_in(m, compute.dtype)
+    if inference and not meta:
+        stack_experts(m)
     return m.eval()
 
 
@@ -174,15 +168,20 @@ def hold_in(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Casts once what autocast casts on every call, the Linear and Conv1d weights, to the forward's `dtype`:
     the same numbers without a cast of every weight in every forward. For inference: an optimizer steps float32
     master weights. Norms, routers and the embedding stay as stored (autocast leaves them too)."""
-    if dtype == torch.float32:
-        return module
-    stacked = [m for m in module.modules() if isinstance(m, MoEMixer) and m.stacked() is not None]
-    skip = {id(e) for m in stacked for e in m.experts.modules()}
+    if dtype != torch.float32:
+        for m in module.modules():
+            if isinstance(m, (nn.Linear, nn.Conv1d)):
+                m.to(dtype)
+    return module
+
+
+def stack_experts(module: nn.Module) -> nn.Module:
+    """Holds each MoE's routed experts, in their final dtype and device, in two stacked tensors
+    (`MoEMixer.stack`) for grouped GEMMs: a copy of them, made once. For inference modules."""
     for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Conv1d)) and id(m) not in skip:
-            m.to(dtype)
-    for m in stacked:
-        m.stack(*(t.to(dtype) for t in m.stacked()))
+        if isinstance(m, MoEMixer):
+            m.stack(*(torch.stack([getattr(e, side).weight.detach() for e in m.experts])
+                      for side in ("up_proj", "down_proj")))
     return module
 
 

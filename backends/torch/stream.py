@@ -22,7 +22,7 @@ from torch import nn
 
 from ...ir.program import Node, Program
 from ...memory import scratch_file
-from . import _dense, hold_in, load_into
+from . import _dense, hold_in, load_into, stack_experts
 from .device import CPU, Compute
 
 #: attach(node, module) -> finish() or None: called before a node runs over the windows; finish() after it
@@ -110,11 +110,12 @@ class StreamedProgram:
             return self._cache[node.path][0]
         with torch.device("meta"):  # no initialisation: every tensor is assigned from the store
             m = node.op.build()
-        load_into(m, self.program.weights, self.compute.device, [node], node.path, stack=True)
+        load_into(m, self.program.weights, self.compute.device, [node], node.path)
         if self.dtype is not None:
             m.to(self.dtype)
         else:  # inference in the forward's precision: weights cast once, not in every call
             hold_in(m, self.compute.dtype)
+        stack_experts(m)  # in the dtype settled above
         kind = lambda k: self.program.find(k)[0]
         if node.op.kind == "lm_head" and node.op.tied:
             m.bind(self.module(kind("embed")))

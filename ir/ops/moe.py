@@ -289,7 +289,7 @@ class MoEMixer(nn.Module):
             y = self._export_form(h, chosen, w, decode)
         else:
             calibrating = "calib" in self.__dict__  # activation calibration: per expert, over its tokens
-            amax = torch.zeros(2, s.experts, device=h.device)
+            amax = torch.zeros(2, s.experts, device=h.device) if calibrating else None
 
             def visit(j, x, a):
                 amax[0, j], amax[1, j] = x.detach().abs().amax(), a.detach().abs().amax()
