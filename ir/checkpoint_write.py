@@ -61,7 +61,8 @@ def configs(prog: Program, extended: bool = False) -> tuple[dict, dict | None]:
                 "mtp": spec_to_dict(mtp[0].op) if mtp else None, **provenance}, None
     layers = puzzle.layers_config([b.op for b in prog.blocks()], mtp[0].op if mtp else None, norm[0].op.eps)
     hf_quant = modelopt.hf_quant_config(prog, _producer())
-    cfg = {"architectures": [puzzle.ARCHITECTURE], "model_type": puzzle.MODEL_TYPE, **common, **layers,
+    cfg = {"architectures": [puzzle.ARCHITECTURE], "model_type": puzzle.MODEL_TYPE, "auto_map": puzzle.AUTO_MAP,
+           **common, **layers,
            **({"quantization_config": modelopt.inline_config(hf_quant)} if hf_quant else {}), **provenance}
     _check_reads_back(prog, cfg)
     return cfg, hf_quant
@@ -105,6 +106,8 @@ def save(prog: Program, path, max_shard_bytes: int = 5 * 2**30, overwrite: bool 
         (tmp / "config.json").write_text(json.dumps({**cfg, **({"meta_only": True} if metas else {})}, indent=2)
                                          + "\n")
         copy_companions(prog, tmp)
+        if not extended:
+            puzzle.write_remote_code(tmp)
         if hf_quant:
             (tmp / modelopt.HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
         if not metas:

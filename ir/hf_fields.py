@@ -19,7 +19,7 @@ _LAYOUT, _LIST, _OBJECT = "a string or a list of strings", "a list of objects", 
 #: JSON types of the config fields puzzlekit reads; null means "not set" (the default applies)
 FIELD_TYPES = {
     **dict.fromkeys(("hidden_size", "vocab_size", "num_hidden_layers", "mamba_num_heads", "mamba_head_dim",
-                     "ssm_state_size", "n_groups", "conv_kernel", "chunk_size", "n_routed_experts",
+                     "ssm_state_size", "n_groups", "mamba_n_groups", "conv_kernel", "chunk_size", "n_routed_experts",
                      "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
                      "moe_latent_size", "n_shared_experts", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "intermediate_size", "num_nextn_predict_layers", "n_group", "topk_group"), _INT),
@@ -105,7 +105,12 @@ def _spec_of(kind: str, cfg: dict, src) -> OpSpec:
     g = lambda k: need(cfg, k, src)
     hidden, eps = g("hidden_size"), cfg.get("layer_norm_epsilon", 1e-5)
     if kind == "mamba2":
-        return Mamba2(hidden, g("mamba_num_heads"), g("mamba_head_dim"), g("ssm_state_size"), g("n_groups"),
+        groups = cfg.get("mamba_n_groups")  # transformers and SGLang read this spelling first
+        if groups is not None and cfg.get("n_groups") not in (None, groups):
+            raise CheckpointError(f"{src}: config fields n_groups={cfg['n_groups']} and mamba_n_groups={groups} "
+                                  "disagree (transformers and SGLang use mamba_n_groups); make them equal")
+        return Mamba2(hidden, g("mamba_num_heads"), g("mamba_head_dim"), g("ssm_state_size"),
+                      groups if groups is not None else g("n_groups"),
                       cfg.get("conv_kernel", 4), cfg.get("chunk_size", 128), cfg.get("use_conv_bias", True),
                       dt_clamp(cfg, src), eps)
     if kind == "moe":

@@ -15,6 +15,9 @@ the first such layer; puzzlekit's extended form (`ir.save(..., extended=True)`) 
 """
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 from ..errors import CheckpointError
 from .hf_fields import (BLOCK_TYPE, FIXED, LAYER_TYPES, MAX_LAYERS, check_fields, check_supported, fields_of, short,
                         spec_of, too_many_layers)
@@ -22,6 +25,12 @@ from .ops import LETTER_OF, MTP
 
 MODEL_TYPE = "nemotron_h_puzzle"
 ARCHITECTURE = "NemotronHPuzzleForCausalLM"
+#: the code a published checkpoint carries for `trust_remote_code=True` (transformers, the engines' config loaders)
+REMOTE_CODE_DIR = Path(__file__).parent / "remote_code"
+REMOTE_CODE = ("configuration_nemotron_h_puzzle.py", "modeling_nemotron_h_puzzle.py")
+AUTO_MAP = {"AutoConfig": "configuration_nemotron_h_puzzle.NemotronHPuzzleConfig",
+            "AutoModel": "modeling_nemotron_h_puzzle.NemotronHPuzzleModel",
+            "AutoModelForCausalLM": "modeling_nemotron_h_puzzle.NemotronHPuzzleForCausalLM"}
 #: fields every MoE block carries (the published children's MoE entries)
 MOE_ALWAYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
               "moe_shared_expert_intermediate_size", "moe_latent_size")
@@ -71,6 +80,8 @@ def layers_config(blocks: list, mtp: MTP | None, eps: float) -> dict:
                     blockwise.add(k)
     for where, op in layers[len(blocks):]:  # TensorRT-LLM builds the MTP head's layers from the top level
         top.update(fields_of(op))
+    if "n_groups" in top:  # SGLang builds Mamba layers from `mamba_n_groups` (8 when absent), transformers too
+        top["mamba_n_groups"] = top["n_groups"]
     if "moe_latent_size" in blockwise:  # a block without one must not fall back to another's (TensorRT-LLM does)
         top["moe_latent_size"] = None
     blockwise |= set(MOE_ALWAYS) if "moe" in per_kind else set()
@@ -88,6 +99,12 @@ def layers_config(blocks: list, mtp: MTP | None, eps: float) -> dict:
     out["block_configs"] = [entry(b) for b in blocks]
     out["mtp_block_configs"] = [entry(b) for b in mtp.blocks] if mtp else []
     return out
+
+
+def write_remote_code(dst: Path) -> None:
+    """Copies the configuration and modeling code `AUTO_MAP` names into a checkpoint directory."""
+    for name in REMOTE_CODE:
+        shutil.copyfile(REMOTE_CODE_DIR / name, Path(dst) / name)
 
 
 def _entries(cfg: dict, src) -> list[tuple[str, dict]]:

@@ -107,6 +107,70 @@ def ids() -> torch.Tensor:
     return example_ids()
 
 
+# -- a heterogeneous child of the trained default model, and its quantised forms ------------------------------------
+def _shrink(prog: ir.Program, path: str, *steps) -> None:
+    """Applies shrink steps (axis, kept unit indices) to one node, spec and weights together."""
+    node = prog.node(path)
+    spec, w = node.op, prog.node_weights(node)
+    for axis, keep in steps:
+        spec, w = spec.shrink(axis, keep, w)
+    prog.rewrite(node, op=spec, weights=w)
+
+
+def _heterogeneous_child() -> ir.Program:
+    """The trained default model, pruned as Puzzle prunes: every Mamba layer to 6 heads and SSM state 24
+    (uniform, as in the published child), MoE layers each with their own experts, d_ff and top-k, one
+    attention layer to one KV group, the MLP's d_ff, and the MTP head's MoE top-k."""
+    prog = ir.load(REPOSITORY / "tools" / "default-model")
+    for n in prog.blocks("mamba2"):
+        _shrink(prog, n.path, ("state", list(range(24)) + list(range(32, 56))), ("heads", [0, 1, 3, 4, 5, 7]))
+    _shrink(prog, "backbone.layers.1", ("top_k", [0]), ("experts", [0, 2, 3, 5, 6, 7]))
+    _shrink(prog, "backbone.layers.4", ("d_ff", list(range(0, 128, 2))))
+    _shrink(prog, "backbone.layers.8", ("experts", [1, 2, 4, 7]), ("d_ff", list(range(96))))
+    _shrink(prog, "backbone.layers.3", ("kv_heads", [1]))
+    _shrink(prog, "backbone.layers.6", ("d_ff", list(range(192))))
+    mtp = prog.node("mtp")
+    prog.rewrite(mtp, op=mtp.op.replace(blocks=(mtp.op.blocks[0], mtp.op.blocks[1].replace(top_k=1))))
+    ir.verify(prog)
+    return prog
+
+
+def _quantized_with(prog: ir.Program, recipe: str, amax=lambda module: 4.0) -> ir.Program:
+    """The program with its weights quantised by a recipe: amax weight scales, and activation scales from a
+    fixed amax per module (`amax(module path)`, 4 by default)."""
+    from puzzlekit.ir.quant.recipe import FORMATS, get_recipe
+    from puzzlekit.passes.quant.calibrate import input_scale, quantize_weight
+
+    out = prog.copy()
+    for path, params in get_recipe(recipe).assign(out).items():
+        node, new = out.node(path), {}
+        for local, fmt in params.items():
+            new[local] = quantize_weight(out.weights.get(f"{path}.{local}"), FORMATS[fmt][0], name=local)
+            if FORMATS[fmt][1]:
+                module = local.rsplit(".", 1)[0]
+                new[f"{module}.input_scale"] = input_scale(torch.tensor(amax(f"{path}.{module}")), FORMATS[fmt][1])
+        out.rewrite(node, op=node.op.replace(quant=dict(node.op.quant) | params), weights=new)
+    return out
+
+
+@pytest.fixture(scope="session")
+def shrink():
+    """The function `_shrink(program, node path, *(axis, kept indices))`."""
+    return _shrink
+
+
+@pytest.fixture(scope="session")
+def heterogeneous_child():
+    """The builder `_heterogeneous_child()`: a fresh pruned copy of the trained default model per call."""
+    return _heterogeneous_child
+
+
+@pytest.fixture(scope="session")
+def quantized_with():
+    """The function `_quantized_with(program, recipe, amax=...)`."""
+    return _quantized_with
+
+
 SMALL_GRID = """
 [mamba2]
 heads = [0.5]

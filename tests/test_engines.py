@@ -14,7 +14,7 @@ from puzzlekit.ir.nemotron_h_puzzle import Unpublishable
 from puzzlekit.backends.cost import get_scenario
 from puzzlekit.backends.layout import Layout
 from puzzlekit.ir.ops import MLP as MLPOp
-from puzzlekit.ir.ops import Attention, Mamba2, MoE
+from puzzlekit.ir.ops import MTP, Attention, Mamba2, MoE
 from puzzlekit.passes import PassError
 from puzzlekit.passes.puzzle import build_library
 from puzzlekit.passes.puzzle.engines import ATTENTION, MAMBA, MLP, PROFILES, get_engine, split_refusal
@@ -46,6 +46,16 @@ def test_the_default_profile_gives_a_child_every_engine_loads(meta_lib, method, 
     for kind, attrs in (MAMBA, ATTENTION, MLP):
         assert len({tuple(getattr(n.op, a) for a in attrs) for n in child.blocks(kind)}) == 1, kind
     assert_served(child, configs(child)[0])
+
+
+def test_tensorrt_llm_builds_the_mtp_heads_attention_from_the_top_level():
+    att = Attention(128, 4, 2, 32)
+    head = MTP(128, (att, MoE(128, 8, 2, 128, 128)))
+    trt = get_engine("tensorrt-llm")
+    assert "MTP head" in trt.refusal(att.replace(kv_heads=1), att, "", head)
+    assert trt.refusal(att, att, "", head) == ""
+    assert get_engine("vllm").refusal(att.replace(kv_heads=1), att, "", head) == ""
+    assert get_engine("tensorrt-llm").refusal(att.replace(kv_heads=1), att, "") == ""  # no head: no rule
 
 
 def test_lifting_the_rules_finds_a_better_child_the_engines_cannot_load(meta_lib):

@@ -21,8 +21,7 @@ from puzzlekit.backends.torch import materialize
 from puzzlekit.errors import CheckpointError
 from puzzlekit.ir.nemotron_h_puzzle import Unpublishable
 from puzzlekit.ir.ops import MTP, Linear, Mamba2, Noop
-from puzzlekit.ir.quant.recipe import FORMATS, get_recipe
-from puzzlekit.passes.quant.calibrate import input_scale, quantize_weight
+from puzzlekit.passes.quant.calibrate import quantize_weight
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tools" / "default-model"
 OLD = Path(__file__).resolve().parent / "golden" / "old_format_checkpoint"
@@ -34,32 +33,10 @@ def _rel(got, want) -> float:
     return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
 
 
-def _shrink(prog, path, *steps):
-    """Applies shrink steps (axis, kept unit indices) to one node, spec and weights together."""
-    node = prog.node(path)
-    spec, w = node.op, prog.node_weights(node)
-    for axis, keep in steps:
-        spec, w = spec.shrink(axis, keep, w)
-    prog.rewrite(node, op=spec, weights=w)
-
-
 @pytest.fixture(scope="module")
-def child() -> ir.Program:
-    """The trained default model, pruned as Puzzle prunes: every Mamba layer to 6 heads and SSM state 24
-    (uniform, as in the published child), MoE layers each with their own experts, d_ff and top-k, one
-    attention layer to one KV group, the MLP's d_ff, and the MTP head's MoE top-k."""
-    prog = ir.load(DEFAULT)
-    for n in prog.blocks("mamba2"):
-        _shrink(prog, n.path, ("state", list(range(24)) + list(range(32, 56))), ("heads", [0, 1, 3, 4, 5, 7]))
-    _shrink(prog, "backbone.layers.1", ("top_k", [0]), ("experts", [0, 2, 3, 5, 6, 7]))
-    _shrink(prog, "backbone.layers.4", ("d_ff", list(range(0, 128, 2))))
-    _shrink(prog, "backbone.layers.8", ("experts", [1, 2, 4, 7]), ("d_ff", list(range(96))))
-    _shrink(prog, "backbone.layers.3", ("kv_heads", [1]))
-    _shrink(prog, "backbone.layers.6", ("d_ff", list(range(192))))
-    mtp = prog.node("mtp")
-    prog.rewrite(mtp, op=mtp.op.replace(blocks=(mtp.op.blocks[0], mtp.op.blocks[1].replace(top_k=1))))
-    ir.verify(prog)
-    return prog
+def child(heterogeneous_child) -> ir.Program:
+    """The trained default model, pruned as Puzzle prunes (see conftest's `heterogeneous_child`)."""
+    return heterogeneous_child()
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +143,7 @@ def _swap(prog, path, op):
     ("mtp-mamba", ["mtp has blocks", "'mamba2'", "one attention and one MoE layer"]),
     ("eps", ["backbone.layers.6", "epsilon"]),
 ])
-def test_unexpressible_programs_are_refused_naming_the_layer(child, tmp_path, case, words):
+def test_unexpressible_programs_are_refused_naming_the_layer(child, shrink, tmp_path, case, words):
     h = 128
     if case == "noop":
         prog = _swap(child, "backbone.layers.6", Noop(h))
@@ -174,7 +151,7 @@ def test_unexpressible_programs_are_refused_naming_the_layer(child, tmp_path, ca
         prog = _swap(child, "backbone.layers.6", Linear(h))
     elif case == "mamba":
         prog = child.copy()
-        _shrink(prog, "backbone.layers.5", ("state", list(range(16)) + list(range(24, 40))))
+        shrink(prog, "backbone.layers.5", ("state", list(range(16)) + list(range(24, 40))))
     elif case == "mtp-mamba":
         prog = child.copy()
         m = prog.node("mtp")
@@ -242,24 +219,11 @@ def test_first_form_files_still_load(make_small_program, tmp_path):
 
 
 # -- quantization ----------------------------------------------------------------------------------------------------
-def _quantized(prog, recipe: str) -> ir.Program:
-    """The program with its weights quantised by a recipe (amax scales; a fixed activation amax of 4)."""
-    out = prog.copy()
-    for path, params in get_recipe(recipe).assign(out).items():
-        node, new = out.node(path), {}
-        for local, fmt in params.items():
-            new[local] = quantize_weight(out.weights.get(f"{path}.{local}"), FORMATS[fmt][0], name=local)
-            if FORMATS[fmt][1]:
-                new[f"{local.rsplit('.', 1)[0]}.input_scale"] = input_scale(torch.tensor(4.0), FORMATS[fmt][1])
-        out.rewrite(node, op=node.op.replace(quant=dict(node.op.quant) | params), weights=new)
-    return out
-
-
 @pytest.fixture(scope="module")
-def mixed(child, tmp_path_factory) -> tuple[ir.Program, Path]:
+def mixed(child, quantized_with, tmp_path_factory) -> tuple[ir.Program, Path]:
     """The child quantised as NVIDIA's NVFP4 release: routed experts NVFP4, shared experts and Mamba
     projections FP8, the rest (attention, router, MTP head, LM head) BF16."""
-    prog = _quantized(child, "nvfp4-hybrid")
+    prog = quantized_with(child, "nvfp4-hybrid")
     d = tmp_path_factory.mktemp("mixed") / "q"
     ir.save(prog, d)
     return prog, d
@@ -325,12 +289,12 @@ def _modelopt_layer_dict(prog) -> dict:
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4-hybrid", "fp8", "nvfp4-weight"])
-def test_quant_config_is_what_model_optimizer_writes(child, recipe, tmp_path):
+def test_quant_config_is_what_model_optimizer_writes(child, quantized_with, recipe, tmp_path):
     pytest.importorskip("modelopt")
     from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
     from modelopt.torch.export.quant_utils import process_layer_quant_config
 
-    prog = _quantized(child, recipe)
+    prog = quantized_with(child, recipe)
     ir.save(prog, tmp_path / "q")
     hf = json.loads((tmp_path / "q" / "hf_quant_config.json").read_text())
     theirs = {"producer": hf["producer"], "quantization": {"quant_algo": None, "kv_cache_quant_algo": None}}

@@ -99,6 +99,15 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     be.set_defaults(run=deploy.build_engine)
 
+    cs = sub.add_parser("check-serving", help="what vLLM, SGLang and TensorRT-LLM build from a published checkpoint, "
+                                              "layer by layer, from its config and tensor headers (no weights read); "
+                                              "exit 1 on a mismatch")
+    cs.add_argument("model", help="a checkpoint directory (the published nemotron_h_puzzle form)")
+    cs.add_argument("--engine", choices=["vllm", "sglang", "tensorrt-llm", "all"], default="all")
+    cs.add_argument("--layout", help="a parallel layout to check the splits of: tp2, tp8.ep8, tp1.dp8.ep8, ...")
+    cs.add_argument("--verbose", action="store_true", help="list every layer each engine builds")
+    cs.set_defaults(run=deploy.check_serving)
+
     g = sub.add_parser("generate", help="greedy generation from a text prompt, in the model's own tokenization")
     g.add_argument("model", nargs="?", help=model_help)
     g.add_argument("--prompt", required=True)
@@ -121,7 +130,7 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                          help="import MODULE (a module name or a path to a .py file) first; it may register "
                               "passes; repeatable")
-    for cmd in (i, s, r, t, e, c, x, be, g, lb, pl, cp, rp):
+    for cmd in (i, s, r, t, e, c, x, be, cs, g, lb, pl, cp, rp):
         cmd.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return p
 

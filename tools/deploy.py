@@ -120,3 +120,23 @@ def build_engine(args) -> int:
         lines.append("engines not built here: run `python build_engines.py` in the bundle on the target GPU")
     emit(args, rep.to_json(), "\n".join(lines) + "\n")
     return 0
+
+
+def check_serving(args) -> int:
+    from ..backends.layout import Layout
+    from ..backends.serving_check import ENGINES, NAMES, check_serving as check
+
+    engines = ENGINES if args.engine == "all" else (args.engine,)
+    verdicts = check(args.model, engines, Layout.parse(args.layout) if args.layout else None)
+    lines = []
+    for v in verdicts:
+        lines.append(f"{NAMES[v.engine]}: " + ("loads it" if v.loads else f"does NOT load it ({len(v.problems)} "
+                                                                         "problem(s))")
+                     + f" - {len(v.layers)} layers built" + (f", split over {args.layout}" if args.layout else ""))
+        if args.verbose:
+            lines += [f"    {x['layer']:<22} {x['kind']:<9} from {x['from']}: " +
+                      ", ".join(f"{k} {val}" for k, val in x["fields"].items()) for x in v.layers]
+        lines += [f"  - {p}" for p in v.problems]
+    emit(args, {"model": str(args.model), "layout": args.layout, "loads": all(v.loads for v in verdicts),
+                "engines": [v.to_json() for v in verdicts]}, "\n".join(lines) + "\n")
+    return 0 if all(v.loads for v in verdicts) else 1

@@ -8,7 +8,9 @@ must then agree across layers (docs/engines.md has the code each rule was read f
   of one attention and one MoE layer;
 - SGLang reads an MLP's width from the top level only; TensorRT-LLM reads per layer only the MoE fields, so
   attention heads and MLP widths agree across layers, and its MoE routing kernel takes top-k <= 8 below 385
-  experts;
+  experts; it builds the MTP head's attention from the top level too, so its profile also keeps the trunk's
+  attention to the head's (`all` does not yet: pruned attention would need the head's attention pruned alike,
+  and `check-serving` reports such a child as one TensorRT-LLM does not load);
 - all three split heads and widths over the tensor-parallel devices and assert that they divide
   (`split_refusal`): a search over a multi-GPU target keeps to the layouts the parent splits over and to the
   choices that split over the layout chosen;
@@ -93,15 +95,22 @@ class EngineProfile:
     blocks: tuple[str, ...] | None = None  # block kinds admitted; None: any
     mtp: tuple[str, ...] | None = None  # the MTP head's block kinds; None: any
     rules: tuple[Rule, ...] = ()  # kernel-shape rules on each layer's choice
+    mtp_from_top: bool = False  # the MTP head's layers are built from the top level, like the uniform kinds
 
     def uniform_groups(self, kinds) -> tuple[str, ...]:
         """The search's uniform groups ("kind.attr+attr") for the block kinds present."""
         return tuple(f"{k}.{'+'.join(attrs)}" for k, attrs in self.uniform if k in kinds)
 
-    def refusal(self, spec, parent, recipes: str = "") -> str:
-        """Why a layer may not take `spec` in place of `parent` (empty: it may)."""
+    def refusal(self, spec, parent, recipes: str = "", head=None) -> str:
+        """Why a layer may not take `spec` in place of `parent` (empty: it may). `head`: the model's MTP head,
+        whose layers an engine reading a kind from the top level builds from the same fields as the trunk's."""
         if self.blocks is not None and spec.kind not in self.blocks:
             return f"a {spec.kind} block (the engines load {', '.join(self.blocks)} blocks)"
+        for kind, attrs in self.uniform if head is not None and self.mtp_from_top else ():
+            block = next((b for b in head.blocks if b.kind == kind == spec.kind), None)
+            if block is not None and any(getattr(spec, a) != getattr(block, a) for a in attrs):
+                return (f"{kind} {'/'.join(attrs)} other than the MTP head's ({', '.join(self.engines)} build the head's "
+                        f"{kind} layer from the same top-level fields as every other)")
         return next((why for rule in self.rules if spec.kind == parent.kind and (why := rule(spec, parent, recipes))),
                     "")
 
@@ -147,7 +156,8 @@ PROFILES = {
     "sglang": EngineProfile("sglang", ("SGLang",), uniform=(MAMBA, MLP), rules=(_nvfp4_latent, _nvfp4_width),
                             **_PUBLISHED),
     "tensorrt-llm": EngineProfile("tensorrt-llm", ("TensorRT-LLM",), uniform=(MAMBA, ATTENTION, MLP),
-                                  rules=(_nvfp4_latent, _nvfp4_width, _routing_top_k), **_PUBLISHED),
+                                  rules=(_nvfp4_latent, _nvfp4_width, _routing_top_k), mtp_from_top=True,
+                                  **_PUBLISHED),
 }
 PROFILES["all"] = _every("all", list(PROFILES.values()))
 PROFILES["none"] = EngineProfile("none", ())

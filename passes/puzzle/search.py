@@ -61,8 +61,9 @@ class Search:
         recipes = " ".join(self._scenario(sc, recipe).recipe or "" for _, sc in targets)  # NVFP4 kernel rules
         rows = lib.rows if scores is None else \
             [{**r, "scores": scores[r["layer"], r["id"]]} for r in lib.rows if (r["layer"], r["id"]) in scores]
+        head = next((n.op for n in parent.find("mtp")), None)
         self.rows = [r for r in rows if not (kind_of[r["layer"]] in self.c.keep and r["id"] != "parent")
-                     and not self.engine.refusal(lib.spec(r), lib.spec(self.parents[r["layer"]]), recipes)]
+                     and not self.engine.refusal(lib.spec(r), lib.spec(self.parents[r["layer"]]), recipes, head)]
         unknown = [k for k in self.c.keep if k not in kind_of.values()]
         if unknown:
             raise PassError(f"keep={list(unknown)}: no layer of the library is of that kind")

@@ -1,0 +1,216 @@
+"""What each serving engine builds from a published checkpoint, read from its config and tensor headers only.
+
+Each engine reads a `nemotron_h_puzzle` config its own way (docs/engines.md names the code each reading comes
+from):
+- vLLM (with `--trust-remote-code`, since it has no config class of its own for the form) takes attention, MoE
+  and MLP layers from the checkpoint's `get_nemotron_h_config_for_layer(i)`, MTP layers from the same call with
+  `i = num_hidden_layers + j`, and Mamba layers and their state caches from the top level; it sizes its expert
+  weight map by the top-level `n_routed_experts` (the largest block's when that is null) and loads an MTP head of
+  one attention and one MoE layer (`num_nextn_predict_layers` 1).
+- SGLang replaces the checkpoint's config class by its own, which overlays each block on the top level for MoE and
+  attention layers only: MLP widths come from the top level, Mamba layers take their groups from
+  `mamba_n_groups` (8 when absent) while the state cache takes `n_groups`.
+- TensorRT-LLM takes per layer only five MoE fields (`_get_layer_moe_param`), everything else from the top level,
+  builds its MTP head from the top level, runs the MTP head unquantised, and splits over TP 1, 2, 4 or 8.
+Every layer's reading is compared with what the checkpoint holds (the config as the schema means it, checked
+against the tensor headers by `ir.load`, which reads no weights): a field that differs is a layer the engine
+builds wrong, and one that changes a parameter's shape is a tensor it would not load.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CheckpointError, PuzzlekitError
+from ..ir import load
+from ..ir.hf_fields import INFINITY, LAYER_TYPES, fields_of, spec_of
+from ..ir.nemotron_h_puzzle import MODEL_TYPE, MTP_KINDS
+from ..ir.quant import modelopt
+from .layout import Layout
+
+ENGINES = ("vllm", "sglang", "tensorrt-llm")
+NAMES = {"vllm": "vLLM", "sglang": "SGLang", "tensorrt-llm": "TensorRT-LLM"}
+#: the MoE fields TensorRT-LLM reads per layer (`_get_layer_moe_param`); every other field from the top level
+TRTLLM_PER_LAYER = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                    "moe_shared_expert_intermediate_size", "moe_latent_size")
+#: the tensor-parallel sizes TensorRT-LLM's NemotronH accepts (without attention data parallel)
+TRTLLM_TP = (1, 2, 4, 8)
+
+
+@dataclass
+class Verdict:
+    """One engine's reading of a checkpoint: the layers it builds and what it would get wrong."""
+
+    engine: str
+    layers: list[dict] = field(default_factory=list)  # {"layer", "kind", "from", "fields"}
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def loads(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        return {"engine": self.engine, "loads": self.loads, "layers": self.layers, "problems": self.problems}
+
+
+class ServingCheckError(PuzzlekitError):
+    """The checkpoint cannot be checked at all (not a published checkpoint, unreadable)."""
+
+
+def _top(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k not in ("block_configs", "mtp_block_configs")}
+
+
+def _overlay(top: dict, block: dict) -> dict:
+    return top | {k: v for k, v in block.items() if k != "block_type"}
+
+
+def _readings(engine: str, cfg: dict) -> list[tuple[str, str, str, dict]]:
+    """(layer path, kind, where its fields come from, the config the engine builds it from) per layer."""
+    top, blocks, mtp = _top(cfg), cfg.get("block_configs") or [], cfg.get("mtp_block_configs") or []
+    out = []
+    for i, b in enumerate(blocks):
+        kind = LAYER_TYPES[b["block_type"]]
+        if engine == "tensorrt-llm":
+            per = {k: v for k, v in b.items() if k in TRTLLM_PER_LAYER and v is not None} if kind == "moe" else {}
+            src, c = (f"block_configs[{i}] (MoE fields)" if per else "top level"), top | per
+        elif kind == "mamba2" or (engine == "sglang" and kind == "mlp"):
+            src, c = "top level", top
+            if engine == "sglang" and kind == "mamba2":
+                c = top | {"n_groups": top.get("mamba_n_groups", 8)}
+                src = "top level (mamba_n_groups)"
+        else:
+            src, c = f"block_configs[{i}]", _overlay(top, b)
+        out.append((f"backbone.layers.{i}", kind, src, c))
+    for j, b in enumerate(mtp):
+        kind = LAYER_TYPES[b["block_type"]]
+        if engine == "tensorrt-llm":
+            filled = {k: next((m.get(k) for m in mtp if m.get("block_type") == "moe" and m.get(k) is not None), None)
+                      for k in TRTLLM_PER_LAYER if top.get(k) is None}
+            src, c = "top level", top | {k: v for k, v in filled.items() if v is not None}
+        else:
+            src, c = f"mtp_block_configs[{j}]", _overlay(top, b)
+        out.append((f"mtp.layers.{j}", kind, src, c))
+    return out
+
+
+def _shape_problems(built, held) -> list[str]:
+    want, have = held.params(), built.params()
+    return [f"{k}: builds {list(have.get(k, ()))}, the checkpoint has {list(s)}" for k, s in want.items()
+            if tuple(have.get(k, ())) != tuple(s)]
+
+
+def _layer_problem(name: str, path: str, kind: str, src: str, built, held) -> str:
+    a, b = fields_of(built), fields_of(held)
+    diff = [k for k in b if a.get(k) != b[k]]
+    if not diff:
+        return ""
+    says = ", ".join(f"{k}={a.get(k)!r} (holds {b[k]!r})" for k in diff)
+    shapes = _shape_problems(built, held)
+    tail = (f": {len(shapes)} tensor(s) would not load, e.g. {path}.{shapes[0]}" if shapes
+            else ": the tensors load, but the layer computes something else")
+    return f"{path} ({kind}): {name} builds it from the {src} with {says}{tail}"
+
+
+def _quant_problems(engine: str, prog) -> list[str]:
+    fmts = {m: f for m, f in modelopt.formats(prog).items() if f}
+    out = []
+    for layer in {m.split(".mixer.")[0] for m in fmts}:
+        groups = {"routed experts": [m for m in fmts if m.startswith(layer + ".mixer.experts.")],
+                  "q/k/v projections": [m for m in fmts if m.startswith(layer) and m.endswith(("q_proj", "k_proj",
+                                                                                             "v_proj"))]}
+        for what, mods in groups.items():
+            if len({fmts[m] for m in mods}) > 1:
+                out.append(f"{layer}: its {what} mix quantization formats {sorted({fmts[m] for m in mods})}; "
+                           f"{NAMES[engine]} fuses them into one kernel with one format")
+    if engine == "tensorrt-llm":
+        mtp = sorted(m for m in fmts if m.startswith("mtp."))
+        if mtp:
+            out.append(f"the MTP head is quantised ({mtp[0]}: {fmts[mtp[0]]}); TensorRT-LLM builds it unquantised, "
+                       "so its tensors would not load: keep the MTP head in BF16 (the recipes do)")
+    return out
+
+
+def _layout_problems(engine: str, prog, layout: Layout) -> list[str]:
+    from ..passes.puzzle.engines import split_refusal
+
+    recipes = " ".join(sorted({f for f in modelopt.formats(prog).values() if f}))
+    out = [f"{n.path}: {why}" for n in [*prog.blocks(), *prog.find("mtp")]
+           if (why := split_refusal(n.op, layout, recipes))]
+    if engine == "tensorrt-llm":
+        if layout.tp not in TRTLLM_TP and layout.dp == 1:
+            out.append(f"layout {layout}: TensorRT-LLM's NemotronH takes TP 1, 2, 4 or 8, not {layout.tp}")
+        for n in prog.blocks("mamba2"):
+            if n.op.groups % layout.tp and layout.tp % n.op.groups:
+                out.append(f"{n.path}: {n.op.groups} Mamba groups over tp{layout.tp} (TensorRT-LLM wants one to "
+                           "divide the other)")
+                break
+    return [f"{NAMES[engine]} on {layout}: {p}" for p in out]
+
+
+def _head_problems(engine: str, cfg: dict, prog) -> list[str]:
+    out = []
+    mtp = prog.find("mtp")
+    if mtp and tuple(b.kind for b in mtp[0].op.blocks) != MTP_KINDS:
+        out.append(f"the MTP head has blocks {[b.kind for b in mtp[0].op.blocks]}; {NAMES[engine]} loads one of "
+                   f"{list(MTP_KINDS)}")
+    if engine == "vllm":
+        sized = cfg.get("n_routed_experts")
+        largest = max((n.op.experts for n in prog.blocks("moe")), default=0)
+        if sized is not None and sized < largest:
+            out.append(f"the top-level n_routed_experts is {sized} but a layer has {largest} experts; vLLM sizes its "
+                       "expert weight map by the top level, so that layer's last experts would not load")
+    if engine == "tensorrt-llm":
+        for n in [*prog.blocks("moe"), *[b for m in mtp for b in m.op.blocks if b.kind == "moe"]]:
+            op = getattr(n, "op", n)
+            if op.experts <= 384 and op.top_k > 8:
+                out.append(f"{getattr(n, 'path', 'mtp')}: top-k {op.top_k} of {op.experts} experts; TensorRT-LLM's "
+                           "routing kernel takes top-k <= 8 below 385 experts")
+    return out
+
+
+def _read_config(path: Path) -> dict:
+    f = path / "config.json" if path.is_dir() else path
+    try:
+        cfg = json.loads(f.read_text(), object_hook=lambda d: float("inf") if d == INFINITY else d)
+    except (OSError, ValueError) as e:
+        raise ServingCheckError(f"{f}: cannot read the config ({e}); pass a checkpoint directory") from None
+    if not isinstance(cfg, dict) or cfg.get("model_type") != MODEL_TYPE or not cfg.get("block_configs"):
+        form = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
+        raise ServingCheckError(f"{f}: model_type {form!r} is not the published {MODEL_TYPE} form with "
+                                "block_configs that the engines load; save the model without --extended")
+    return cfg
+
+
+def check_serving(path, engines=ENGINES, layout: Layout | None = None) -> list[Verdict]:
+    """Per engine, what it builds from the checkpoint at `path` and every way that differs from what it holds."""
+    path = Path(path)
+    cfg = _read_config(path)
+    try:
+        prog = load(path)  # the tensors' headers against the config; no weight is read
+    except CheckpointError as e:
+        raise ServingCheckError(f"{path}: the checkpoint does not match its own config, so no engine loads it: "
+                                f"{e}") from None
+    held = {n.path: n.op for n in prog.blocks()}
+    mtp = prog.find("mtp")
+    held |= {f"mtp.layers.{j}": b for j, b in enumerate(mtp[0].op.blocks)} if mtp else {}
+    out = []
+    for engine in engines:
+        v = Verdict(engine)
+        for where, kind, src, c in _readings(engine, cfg):
+            try:
+                built = spec_of(kind, c, f"{NAMES[engine]}'s reading of {where}")
+            except CheckpointError as e:
+                v.problems.append(str(e))
+                continue
+            v.layers.append({"layer": where, "kind": kind, "from": src, "fields": fields_of(built)})
+            if (why := _layer_problem(NAMES[engine], where, kind, src, built, held[where])):
+                v.problems.append(why)
+        if engine == "vllm" and cfg.get("num_nextn_predict_layers", 0) > 1:
+            v.problems.append("num_nextn_predict_layers > 1; vLLM's NemotronH MTP takes one")
+        v.problems += _head_problems(engine, cfg, prog) + _quant_problems(engine, prog)
+        if layout is not None:
+            v.problems += _layout_problems(engine, prog, layout)
+        out.append(v)
+    return out
