@@ -27,7 +27,7 @@ from ..ir import load
 from ..ir.hf_fields import INFINITY, LAYER_TYPES, fields_of, spec_of
 from ..ir.nemotron_h_puzzle import MODEL_TYPE, MTP_KINDS
 from ..ir.quant import modelopt
-from .layout import Layout
+from .layout import Layout, split_refusal
 
 ENGINES = ("vllm", "sglang", "tensorrt-llm")
 NAMES = {"vllm": "vLLM", "sglang": "SGLang", "tensorrt-llm": "TensorRT-LLM"}
@@ -133,8 +133,6 @@ def _quant_problems(engine: str, prog) -> list[str]:
 
 
 def _layout_problems(engine: str, prog, layout: Layout) -> list[str]:
-    from ..passes.puzzle.engines import split_refusal
-
     recipes = " ".join(sorted({f for f in modelopt.formats(prog).values() if f}))
     out = [f"{n.path}: {why}" for n in [*prog.blocks(), *prog.find("mtp")]
            if (why := split_refusal(n.op, layout, recipes))]

@@ -18,6 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from puzzlekit import ir
+from puzzlekit.backends.layout import Layout
 
 BOUND = 1.1e6
 
@@ -100,6 +101,34 @@ def test_the_child_is_published_and_every_layer_builds_as_the_engines_build_it(r
     assert cfg["model_type"] == "nemotron_h_puzzle" and summary["outputs"]["model"]["form"].startswith("published")
     assert_served(ir.load(out / "model"), cfg)
     assert summary["reports"]["puzzle"][-1]["engine"] == "all"
+    from puzzlekit.backends.serving_check import check_serving
+
+    verdicts = check_serving(out / "model", layout=Layout.parse("tp1"))
+    assert summary["outputs"]["serving"] == {"layout": "tp1", "engines": {v.engine: {"loads": v.loads,
+                                                                                     "problems": v.problems}
+                                                                          for v in verdicts}}
+    md = (out / "report" / "report.md").read_text()
+    assert "### Which engines load the child" in md
+    assert all(f"| {name} | {'yes' if v.loads else '**no**'} |" in md
+               for name, v in zip(("vLLM", "SGLang", "TensorRT-LLM"), verdicts))
+
+
+@pytest.mark.slow
+def test_transformers_loads_the_child_and_computes_its_logits(run):
+    """The FP8 child through transformers' Auto classes and the code it carries, against puzzlekit's backend."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from puzzlekit.backends.torch import materialize
+
+    out, _ = run
+    model = AutoModelForCausalLM.from_pretrained(out / "model", trust_remote_code=True, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, want_mtp = materialize(ir.load(out / "model"))(ids)
+        got, got_mtp = model.mtp_logits(ids)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max() and (got_mtp - want_mtp).abs().max() <= \
+        1e-5 * want_mtp.abs().max()
 
 
 @pytest.mark.slow

@@ -139,6 +139,22 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def _serving_section(check: dict | None) -> list[str]:
+    """What vLLM, SGLang and TensorRT-LLM build from the child (`puzzlekit check-serving`), per engine."""
+    if check is None:
+        return []
+    head = ["\n### Which engines load the child\n",
+            "`puzzlekit check-serving` on the child's config and tensor headers"
+            + (f", split over {check['layout']}" if check.get("layout") else "") + ".\n"]
+    if not check["engines"]:
+        return head + [f"No engine: {check['refused']}\n"]
+    from ..backends.serving_check import NAMES
+
+    return head + [_table(["engine", "loads", "what it would get wrong"],
+                          [(NAMES[e], "yes" if v["loads"] else "**no**", "<br>".join(v["problems"]) or "-")
+                           for e, v in check["engines"].items()])]
+
+
 def write_report(out) -> Path:
     """Writes OUT/report/ from OUT/plan.json, OUT/work/summary.json and the two models; replaces an old one."""
     from .. import ir
@@ -190,6 +206,8 @@ def write_report(out) -> Path:
               f"{_fmt(unconstrained) if unconstrained is not None else 'infeasible'}"
               + (f" ({_fmt(engine['score'] / unconstrained)}x: what being servable costs in the search's terms)"
                  if unconstrained and engine["score"] is not None else "") + ".\n",
+              *_serving_section(json.loads((out / "work" / "serving.done").read_text())
+                                if (out / "work" / "serving.done").exists() else None),
               "## The search\n", "![frontier](frontier.png)\n",
               _table(["method", "budget", "constraint", "summed score", "predicted / parent", "params"],
                      [(p["method"], p["budget"], p["constraint"], _fmt(p["score"]), _fmt(p["relative"]),

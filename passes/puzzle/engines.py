@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ...backends.layout import split_refusal
 from ...ir.nemotron_h_puzzle import MTP_KINDS
 from ...ir.quant.formats import NVFP4_BLOCK
 from ..core import PassError
@@ -52,36 +53,6 @@ def _routing_top_k(spec, parent, recipes: str) -> str:
     if spec.kind == "moe" and spec.experts <= 384 and spec.top_k > 8 and \
             (spec.experts, spec.top_k) != (parent.experts, parent.top_k):
         return f"top-k {spec.top_k} of {spec.experts} experts (TensorRT-LLM's routing takes top-k <= 8 below 385)"
-    return ""
-
-
-def split_refusal(op, layout, recipes: str = "") -> str:
-    """Why `op` does not split over `layout` the way the engines split it when they load it (each asserts
-    these), or "": Mamba heads, and groups unless one group is replicated (not under quantization), by tp;
-    attention query heads by tp and KV heads by tp or tp by them (then replicated); dense and shared-expert
-    widths by tp; an expert's width by the devices that split it (tp x dp / ep)."""
-    tp = layout.tp
-    if op.kind == "mtp":
-        return next((why for b in op.blocks if (why := split_refusal(b, layout, recipes))), "")
-    quantized = "fp8" in recipes or "nvfp4" in recipes
-    if op.kind == "mamba2":
-        if op.heads % tp:
-            return f"{op.heads} Mamba heads over tp{tp}"
-        if op.groups % tp and (op.groups > 1 or quantized):
-            return f"{op.groups} Mamba groups over tp{tp} (one group is replicated, unquantized only)"
-    if op.kind == "attention":
-        if op.q_heads % tp:
-            return f"{op.q_heads} query heads over tp{tp}"
-        if op.kv_heads % tp and tp % op.kv_heads:
-            return f"{op.kv_heads} KV heads over tp{tp} (neither divides the other)"
-    if op.kind == "mlp" and op.d_ff % tp:
-        return f"MLP width {op.d_ff} over tp{tp}"
-    if op.kind == "moe":
-        split = layout.group // layout.ep
-        if op.d_ff % split:
-            return f"expert width {op.d_ff} over the {split} devices that split each expert"
-        if op.shared_d_ff % tp:
-            return f"shared expert width {op.shared_d_ff} over tp{tp}"
     return ""
 
 
