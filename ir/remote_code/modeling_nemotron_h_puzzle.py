@@ -204,6 +204,8 @@ class NemotronHPuzzlePreTrainedModel(nh.NemotronHPreTrainedModel):
 class NemotronHPuzzleModel(NemotronHPuzzlePreTrainedModel, nh.NemotronHModel):
     """transformers' NemotronH trunk (its forward, caches and masks), each layer from its own config."""
 
+    _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^lm_head\."]  # the causal LM's, loaded as AutoModel
+
     def __init__(self, config: NemotronHPuzzleConfig):
         NemotronHPuzzlePreTrainedModel.__init__(self, config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
