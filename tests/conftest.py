@@ -7,6 +7,7 @@ Hidden 32, vocabulary 64, random weights with std 0.3.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from pathlib import Path
 
@@ -306,8 +307,6 @@ def _train_tokenizer(d: Path):
 def _subword_checkpoint(d: Path, tokenizer):
     """transformers' NemotronH (pattern MEM*E, hidden 32) in the tokenizer's vocabulary, O(0.3) weights, plus an
     MTP head ("*E") in its checkpoint as Nemotron-3 ships one."""
-    import json
-
     from safetensors.torch import load_file, save_file
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
@@ -354,7 +353,6 @@ def _subword_checkpoint(d: Path, tokenizer):
 
 def _documents_jsonl(f: Path, n: int = 150) -> Path:
     """`n` JSONL documents of Python source (stdlib files the tokenizer was not trained on), 300-1500 chars."""
-    import json
 
     texts = [t[:1500] for t in _stdlib_texts(10**9, skip=400) if len(t) > 300][:n]
     f.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -373,3 +371,55 @@ def subword(tmp_path_factory):
     hf = _subword_checkpoint(root / "model", tokenizer)
     return SimpleNamespace(model=root / "model", hf=hf, tokenizer=tokenizer, tokenizer_dir=root / "tokenizer",
                            docs=_documents_jsonl(root / "docs.jsonl"))
+
+
+# -- lm-evaluation-harness tasks that read their data from disk ----------------------------------------------------
+def _source_lines() -> list[str]:
+    """Source lines of 30+ characters from the first stdlib files that hold 200 of them (the same on any machine
+    with the same Python)."""
+    from puzzlekit.data import stdlib_files
+
+    out = []
+    for f in stdlib_files():
+        out += [ln.strip() for ln in f.read_text(errors="replace").splitlines() if len(ln.strip()) > 30]
+        if len(out) >= 200:
+            return out
+    return out
+
+
+def _write_tasks(d: Path) -> Path:
+    """Three lm-eval tasks in `d` reading data on disk, on Python source lines: pk_mc (multiple choice: the
+    line's true second half among three others), pk_ppl (rolling log-likelihood of 6-line passages), pk_gen
+    (greedy, stopped at a newline)."""
+    lines = _source_lines()
+    mc = []
+    for i in range(12):
+        line = lines[i * 3]
+        cut = len(line) // 2
+        choices = [line[cut:]] + [other[len(other) // 2:] for other in lines[100 + i * 3:103 + i * 3]]
+        order = [(i + j) % 4 for j in range(4)]
+        mc.append({"question": line[:cut], "choices": [choices[o] for o in order], "answer": order.index(0)})
+    files = {"mc": mc, "ppl": [{"text": "\n".join(lines[i * 6:i * 6 + 6])} for i in range(4)],
+             "gen": [{"prompt": lines[i * 5 + 1][:24] + "\n" + lines[i * 5 + 2][:10],
+                      "target": lines[i * 5 + 2][10:]} for i in range(5)]}
+    for name, rows in files.items():
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def task(name, body):
+        (d / f"pk_{name}.yaml").write_text(f"task: pk_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                           f"    test: {d / (name + '.jsonl')}\ntest_split: test\n{body}")
+
+    task("mc", 'output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+               'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n')
+    task("ppl", 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+                'metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n')
+    task("gen", 'output_type: generate_until\ndoc_to_text: "{{prompt}}"\ndoc_to_target: "{{target}}"\n'
+                'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 12\n  do_sample: false\n'
+                'metric_list:\n  - metric: exact_match\n')
+    return d
+
+
+@pytest.fixture(scope="session")
+def local_tasks(tmp_path_factory) -> Path:
+    """A folder of three lm-eval task YAMLs reading JSONL files beside them (see `_write_tasks`)."""
+    return _write_tasks(tmp_path_factory.mktemp("tasks"))

@@ -29,9 +29,10 @@ def _cmd(out: Path, grid: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, small_grid_file):
+def run(tmp_path_factory, small_grid_file, local_tasks):
     out = tmp_path_factory.mktemp("compress") / "out"
-    p = subprocess.run(_cmd(out, small_grid_file), capture_output=True, text=True)
+    tasks = ["--tasks", "pk_mc", "--task-limit", "8", "--include-path", str(local_tasks)]
+    p = subprocess.run(_cmd(out, small_grid_file) + tasks, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
     return out, json.loads(p.stdout)
 
@@ -141,6 +142,10 @@ def test_the_bundle_holds_the_targets_build_files_and_graphs_onnxruntime_runs(ru
         assert sess.get_outputs()
     files = {p.name for p in (out / "bundle").iterdir()}
     assert {"build.json", "build_engines.py", "trtexec.sh", "validate.py", "manifest.json"} <= files
+    # the engines' commands serve the child in the layout the search chose (backends/serving.py)
+    serving = json.loads((out / "bundle" / "build.json").read_text())["serving"]
+    assert serving["model"] == str((out / "model").resolve()) and {"serve.sh", "trtllm-llm-api.yaml"} <= files
+    assert serving["layout"] == json.loads((out / "plan.json").read_text())["plan"]["layout"]
 
 
 @pytest.mark.slow
@@ -167,6 +172,10 @@ def test_the_report_is_complete_and_holds_the_runs_numbers(run):
     assert quality["set"] == "report" and 0 < quality["child"]["kl"] and quality["parent"]["kl"] == pytest.approx(0)
     assert f"| child | {quality['child']['kl']:.4g} | {quality['child']['top1_agreement']:.4g} |" in md
     assert "Profile all (loadable by vLLM, SGLang, TensorRT-LLM" in md and "without any engine's rules" in md
+    tasks = json.loads((out / "work" / "tasks.done").read_text())
+    (acc,) = [r for r in tasks["rows"] if (r["task"], r["metric"]) == ("pk_mc", "acc")]
+    assert f"| pk_mc | acc | {acc['teacher']:.4g} | {acc['value']:.4g} |" in md and "(tasks.png)" in md
+    assert (d / "tasks.png").stat().st_size > 1000
 
 
 @pytest.mark.slow

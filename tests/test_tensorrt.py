@@ -26,7 +26,7 @@ from puzzlekit.ir.ops import MLP, Attention, Embed, LMHead, Mamba2, MoE, Norm
 from puzzlekit.ir.quant.formats import nvfp4_qdq
 from puzzlekit.passes import PassManager
 from puzzlekit.tools.cli import main
-from puzzlekit.tools.default_model import load_default
+from puzzlekit.tools.default_model import DEFAULT_MODEL, load_default
 
 HAVE_RTX = importlib.util.find_spec("tensorrt_rtx_bindings") is not None
 needs_rtx = pytest.mark.skipif(not HAVE_RTX, reason="TensorRT-RTX is not installed, so no engine is built: "
@@ -174,7 +174,7 @@ def fp32_bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("bundle") / "rtx-sm120"
     # short prompts: one prefill profile, so that the real build in the default suite stays quick
     rep = write_bundle(load_default(), out, TARGETS["rtx-sm120"], get_scenario("chat", input_len=256, output_len=256),
-                       build="auto")
+                       build="auto", checkpoint=DEFAULT_MODEL)  # and the commands serving it (test_serving.py)
     return out, rep
 
 
@@ -209,7 +209,7 @@ def test_manifest_hashes_every_file(fp32_bundle):
     files = {p.name for p in out.iterdir() if p.is_file()} - {"manifest.json"}
     assert set(manifest["files"]) == files
     assert {"build.json", "build_engines.py", "trtexec.sh", "validate.py", "golden.npz", "README.md",
-            PREFILL, DECODE} <= files
+            "serve.sh", "trtllm-llm-api.yaml", PREFILL, DECODE} <= files
     for name, digest in manifest["files"].items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
 

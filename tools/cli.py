@@ -63,6 +63,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--prompts", type=positive_int, default=4, help="prompts for the speculative-decoding measurement")
     e.add_argument("--new-tokens", type=token_count, default=32,
                    help=f"tokens generated per prompt (at most {MAX_TOKENS:,})")
+    e.add_argument("--tasks", help="lm-evaluation-harness tasks instead (comma-separated, e.g. arc_easy,hellaswag; "
+                                   "needs puzzlekit[eval]): a table of their metrics")
+    e.add_argument("--limit", type=positive_int, help="--tasks: at most this many examples per task")
+    e.add_argument("--num-fewshot", type=number(int, 0), help="--tasks: few-shot examples (default: the task's)")
+    e.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="--tasks: a folder of task YAMLs of your own (e.g. reading data on disk); repeatable")
+    e.add_argument("--batch-size", type=positive_int, default=8, help="--tasks: requests scored per forward")
     e.set_defaults(run=text.evaluate)
 
     c = sub.add_parser("cost", help="price a model on a GPU target and deployment scenario")

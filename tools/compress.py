@@ -28,11 +28,16 @@ from ..outputs import write_json, write_text
 from .compress_outputs import SWEPT, deploy_recipe, write_outputs
 from .puzzle import EXTENDED_HELP, add_constraint_arguments, constraints_of
 
+# the head-only stage has its own budget: at the trunk's lr=1e-3 the head drifts from its start within 10 steps
+# and keep-best threw the run away; lr=3e-4 on the head's own trunk (mtp_self) raises acceptance on the
+# selection set (8 windows to choose on, not 2)
 QUICK = {"library": "calib_windows=8,score_windows=2,seq=64,bld_tokens=4096",
          "distill": "batch=4,seq=64,lr=1e-3,eval_every=10,eval_windows=2,checkpoint_every=5",
-         "mtp": "prompts=2,new_tokens=16", "steps": 20, "head_steps": 10}
+         "head": "batch=4,seq=64,lr=3e-4,mtp_self=1.0,eval_every=10,eval_windows=8,checkpoint_every=10",
+         "mtp": "prompts=2,new_tokens=16", "steps": 20, "head_steps": 40}
 FULL = {"library": "calib_windows=64,score_windows=16,seq=256,bld_tokens=65536",
         "distill": "batch=8,seq=128,lr=1e-3,eval_every=50,eval_windows=8,checkpoint_every=25",
+        "head": "batch=8,seq=128,lr=3e-4,mtp_self=1.0,eval_every=25,eval_windows=8,checkpoint_every=25",
         "mtp": "prompts=8,new_tokens=32", "steps": 300, "head_steps": 100}
 def pipeline_text(template: str, args, out: Path, library: Path) -> str:
     """The template (a pipeline file's text) with its comments dropped and its $names filled in from the
@@ -51,7 +56,7 @@ def pipeline_text(template: str, args, out: Path, library: Path) -> str:
               "round_steps": max(1, math.ceil(steps / rounds)), "distill_budget": budget["distill"],
               "work": out / "work", "head_steps": args.head_steps or budget["head_steps"],
               "mtp_tolerance": args.mtp_tolerance if args.mtp_tolerance is not None else 1.0 if args.quick else 0.1,
-              "mtp_budget": budget["mtp"],
+              "mtp_budget": budget["mtp"], "head_budget": budget["head"],
               "quantize": f"quantize{{recipe={recipe},target={args.target}}}" if recipe else "verify"}
     try:
         return string.Template(template).substitute({k: str(v) for k, v in values.items()})
@@ -109,6 +114,10 @@ def compress(args, progress: bool = True) -> dict:
     from .common import compute_of
 
     compute_of(args)  # before any work: a device this machine lacks is a usage error
+    if getattr(args, "tasks", None):  # and a task whose data cannot be had
+        from .tasks import load_tasks, task_names
+
+        load_tasks(task_names(args.tasks), args.include_path)
     if args.engine == "none" and not args.extended:
         raise UsageError("--engine none lets the search choose what no serving engine loads (noop or linear blocks, "
                          "Mamba layers that differ); add --extended to accept puzzlekit's extended form for such a child")
@@ -207,22 +216,49 @@ def run_compress(args) -> int:
              f"{s['passes']} passes in {s['seconds']['pipeline']:.0f} s",
              f"params {plan['params']:,} (the parent's: {s['parent_params']:,})",
              f"child: {Path(args.output) / 'model'} ({s['outputs']['model']['form']})",
+             _mtp_line(s["outputs"].get("quality")),
              *(f"{k}: predicted {v['predicted']['tokens_per_second']:,.0f} tokens/s serving"
                + (f"; decode at batch {v['decode']['batch']}, context {v['decode']['context']:,}: predicted "
                   f"{v['decode']['predicted']:,.0f}, measured {v['decode']['measured']:,.0f} tokens/s"
                   if "decode" in v else "")
                for k, v in dep.items()),
+             _serving_line(s["outputs"].get("serving")),
              _bundle_line(s["outputs"]["bundle"]),
              f"report: {s['report']}/report.md"]
     emit(args, s, "\n".join(ln for ln in lines if ln) + "\n")
     return 0
 
 
+def _mtp_line(quality: dict | None) -> str:
+    """The MTP head's speed as delivered: child and parent acceptance on the report set (the report's quality
+    table), so a head that lost its drafts is seen without opening the report."""
+    if not quality or quality["child"].get("mtp_acceptance") is None:
+        return ""
+    child, parent = quality["child"]["mtp_acceptance"], quality["parent"]["mtp_acceptance"]
+    n, _, new = quality["prompts"]
+    return (f"MTP acceptance on the report set: child {child:.3f} tokens/step, parent {parent:.3f} "
+            f"({child / parent:.2f}x; {n} prompts, {new} tokens each)")
+
+
+def _serving_line(check: dict | None) -> str:
+    """check-serving's verdict on the child, one line (the report has every problem)."""
+    from ..backends.serving_check import NAMES
+
+    if not check:
+        return ""
+    if not check["engines"]:
+        return f"engines: none loads the child ({check['refused'].split(': ', 1)[-1]})"
+    said = [NAMES[e] + (" loads it" if v["loads"] else f" does NOT ({v['problems'][0]})")
+            for e, v in check["engines"].items()]
+    return f"engines ({check['layout'] or 'no layout'}, check-serving): " + "; ".join(said)
+
+
 def _bundle_line(b: dict) -> str:
     if "precision" not in b:  # the cpu target: ONNX graphs for onnxruntime
         return f"bundle: {b['directory']} (ONNX for onnxruntime)"
     built = ", ".join(b["engines"]) or "none built here (bash trtexec.sh or build_engines.py on the GPU)"
-    return f"bundle: {b['directory']} (TensorRT, {b['target']}, {b['precision']}; engines: {built})"
+    serve = "; serve the child: bash serve.sh vllm|sglang|tensorrt-llm" if "serve.sh" in b["files"] else ""
+    return f"bundle: {b['directory']} (TensorRT, {b['target']}, {b['precision']}; engines: {built}{serve})"
 
 
 def run_report(args) -> int:
@@ -251,13 +287,19 @@ def add_parsers(sub, model_help: str, positive_int, positive_float) -> tuple:
     c.add_argument("--iterative", type=positive_int, default=1, help="rounds of search + distillation (Iterative "
                                                                       "Puzzle); the steps are split over them")
     c.add_argument("--steps", type=positive_int, help="distillation steps in total (default 300; --quick 20)")
-    c.add_argument("--head-steps", type=positive_int, help="head-only MTP recovery steps (default 100; --quick 10)")
+    c.add_argument("--head-steps", type=positive_int, help="head-only MTP recovery steps (default 100; --quick 40)")
     c.add_argument("--mtp-tolerance", type=float, help="the largest relative drop of MTP acceptance length below the "
                                                        "parent's before the run fails (default 0.1; --quick: 1, report only)")
     c.add_argument("--library", help="an existing library of this model (default: built in OUT/library)")
     c.add_argument("--grid", help="the library's grid (default, planning or a TOML file)")
     c.add_argument("--pipeline", help="an edited copy of tools/pipelines/compress.pipeline")
     c.add_argument("--quick", action="store_true", help="small budgets for every stage (a smoke test)")
+    c.add_argument("--tasks", help="lm-evaluation-harness tasks to score parent and child on after the run "
+                                   "(comma-separated; needs puzzlekit[eval]): a table and a plot in the report")
+    c.add_argument("--task-limit", type=positive_int, help="--tasks: at most this many examples per task")
+    c.add_argument("--num-fewshot", type=int, help="--tasks: few-shot examples (default: the task's)")
+    c.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="--tasks: a folder of task YAMLs of your own (e.g. reading data on disk); repeatable")
     c.set_defaults(run=run_compress)
     r = sub.add_parser("report", help="write OUT/report/ (Markdown and plots) for a compress run")
     r.add_argument("output", help="a compress run directory")

@@ -54,9 +54,14 @@ def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
             form = f"puzzlekit extended form ({str(e).split(';')[0].removeprefix('save: ')})"
         _mark(out, "model", {"form": form})
     done["model"] = json.loads((out / "work" / "model.done").read_text())
+    if not _done(out, "serving"):
+        _mark(out, "serving", serving(out / "model", prog.meta.get("plan") or {}))
+    done["serving"] = json.loads((out / "work" / "serving.done").read_text())
     if not _done(out, "quality"):
         _mark(out, "quality", quality(parent, prog, args))
     done["quality"] = json.loads((out / "work" / "quality.done").read_text())
+    if getattr(args, "tasks", None) and not _done(out, "tasks"):
+        _mark(out, "tasks", task_scores(parent, prog, args))
     if not _done(out, "plan"):
         points = frontier(parent, args, library)
         plan = {"plan": prog.meta.get("plan"), "frontier": points, "engine": engine_cost(parent, args, library, points),
@@ -64,9 +69,34 @@ def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
         write_json(out / "plan.json", plan)
         _mark(out, "plan", {})
     if not _done(out, "bundle"):
-        _mark(out, "bundle", bundle(prog, args, out / "bundle"))
+        published = done["model"]["form"].startswith("published")  # what the engines load
+        _mark(out, "bundle", bundle(prog, args, out / "bundle", out / "model" if published else None))
     done["bundle"] = json.loads((out / "work" / "bundle.done").read_text())
     return done
+
+
+def task_scores(parent, child, args) -> dict:
+    """lm-eval tasks on parent and child (`--tasks`): one row per task and metric, the parent as the teacher."""
+    from .common import compute_of
+    from .tasks import evaluate_tasks, load_tasks, model_for, rows, task_names
+
+    names, compute = task_names(args.tasks), compute_of(args)
+    run = lambda p: evaluate_tasks(model_for(p, compute), load_tasks(names, args.include_path), args.task_limit,
+                                   args.num_fewshot)
+    return {"tasks": names, "limit": args.task_limit, "rows": rows(run(child), run(parent))}
+
+
+def serving(model: Path, plan: dict) -> dict:
+    """check-serving on the child, over the layout it was priced in: per engine, whether it loads and why not."""
+    from ..backends.layout import Layout
+    from ..backends.serving_check import ServingCheckError, check_serving
+
+    layout = plan.get("layout")
+    try:
+        verdicts = check_serving(model, layout=Layout.parse(layout) if layout else None)
+    except ServingCheckError as e:  # the extended form (--engine none): no engine loads it
+        return {"layout": layout, "engines": {}, "refused": str(e)}
+    return {"layout": layout, "engines": {v.engine: {"loads": v.loads, "problems": v.problems} for v in verdicts}}
 
 
 def quality(parent, child, args) -> dict:
@@ -188,9 +218,10 @@ def decode_figures(prog, target: str, scenario, batch: int, context: int | None 
             "measured": decode_throughput(materialize(prog), batch, context)}
 
 
-def bundle(prog, args, out: Path) -> dict:
+def bundle(prog, args, out: Path, model: Path | None = None) -> dict:
     """The target's deployment artifacts: a TensorRT engine bundle for a GPU (engines built here where a
-    builder is), ONNX graphs for onnxruntime on cpu."""
+    builder is), with the engines' commands serving `model` (the child checkpoint) in the layout the search
+    chose; ONNX graphs for onnxruntime on cpu."""
     from ..backends.cost import get_scenario
     from ..backends.onnx import export_onnx
     from ..backends.targets import get_target
@@ -206,5 +237,6 @@ def bundle(prog, args, out: Path) -> dict:
         from ..data import calibration_windows
 
         calib = calibration_windows(args.data or [], KV_CALIBRATION[0], KV_CALIBRATION[1], prog)
-    rep = write_bundle(prog, out, target, scenario, overwrite=True, calibration_ids=calib)
+    rep = write_bundle(prog, out, target, scenario, overwrite=True, calibration_ids=calib, checkpoint=model,
+                       layout=(prog.meta.get("plan") or {}).get("layout") or None)
     return {k: v for k, v in rep.to_json().items() if k != "build"}

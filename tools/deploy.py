@@ -106,9 +106,11 @@ def build_engine(args) -> int:
         from ..data import calibration_windows
 
         calib = calibration_windows(args.data or [], args.calib_samples, 128, prog)
+    # serving commands for the checkpoint, unless it was quantized here: then the engines would serve other weights
+    served = src if (src / "config.json").is_file() and recipe in ("", "bf16") else None
     rep = write_bundle(prog, args.output, target, scenario, build=args.build, overwrite=args.overwrite,
                        provenance={"input": str(src), "recipe": recipe or "as quantized", "versions": versions()},
-                       calibration_ids=calib)
+                       calibration_ids=calib, checkpoint=served)
     plan = rep.build["memory_plan"]
     lines = [f"wrote {rep.directory}: {rep.precision} for {rep.target} ({rep.build['compute_capability']}), "
              f"scenario {scenario.name}",
@@ -118,6 +120,11 @@ def build_engine(args) -> int:
               for name, e in rep.engines.items()]
     if not rep.engines:
         lines.append("engines not built here: run `python build_engines.py` in the bundle on the target GPU")
+    if served:
+        lines.append(f"serve {served}: bash {rep.directory}/serve.sh vllm|sglang|tensorrt-llm")
+    elif recipe not in ("", "bf16"):
+        lines.append(f"no serving commands: the model was quantized here ({recipe}), not as saved; build from a "
+                     "saved quantized checkpoint to have them")
     emit(args, rep.to_json(), "\n".join(lines) + "\n")
     return 0
 

@@ -91,6 +91,25 @@ def frontier_plot(points: list, path: Path) -> None:
     _save(fig, path)
 
 
+#: how the report names the metric a distillation run kept its weights on
+SELECTION_NAMES = {"kl": "KL", "mtp_kl": "MTP KL", "mtp_loss": "MTP loss"}
+
+
+def selected_on(run: dict) -> str:
+    """The held-out metric the run's keep-best compared (a head-only run: its head's loss, not the trunk KL it
+    cannot move); runs reported before `selected_on` was written: the head's KL when it trained on mtp alone."""
+    return run.get("selected_on") or ("mtp_kl" if set(run["terms"]) == {"mtp"} else "kl")
+
+
+def _selection_name(run: dict) -> str:
+    metric = selected_on(run)
+    if metric != "mtp_loss":
+        return SELECTION_NAMES.get(metric, metric)
+    terms = {"mtp_kl": "KL to the teacher's head", "mtp_self_kl": "KL to its own trunk"}
+    return "MTP loss (" + " + ".join((f"{w:g} x " if w != 1 else "") + terms.get(k, k)
+                                     for k, w in run.get("mtp_weights", {}).items()) + ")"
+
+
 def distillation_plot(runs: list, path: Path) -> None:
     plt = _plots()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -102,7 +121,7 @@ def distillation_plot(runs: list, path: Path) -> None:
                     linewidth=1)
         best = run.get("best")
         if best is not None and best["step"] < run["steps"]:  # keep_best: the weights of that evaluation were kept
-            metric = "mtp_kl" if set(run["terms"]) == {"mtp"} else "kl"  # what keep_best compared
+            metric = selected_on(run)
             what = "its starting weights" if best["step"] == 0 else f"step {best['step']}"
             ax.axvline(offset + best["step"], color="black", linestyle=":", linewidth=1)
             ax.annotate(f"run {i + 1} kept {what}\n(best held-out {metric} {best[metric]:.3g})",
@@ -129,6 +148,22 @@ def mtp_plot(values: dict, path: Path) -> None:
     _save(fig, path)
 
 
+def _mtp_ratio(quality: dict) -> list[str]:
+    """The child's MTP acceptance as a share of the parent's (what the head kept of its speed), and its sample."""
+    child, parent = quality["child"].get("mtp_acceptance"), quality["parent"].get("mtp_acceptance")
+    if child is None or not parent:
+        return []
+    n, _, new = quality["prompts"]
+    return [f"\nMTP acceptance: the child's is {child / parent:.2f}x the parent's ({n} prompts, {new} tokens "
+            "generated from each).\n"]
+
+
+def _kept(run: dict) -> str:
+    """Which weights the run ended with: keep-best's evaluation, or the last step's."""
+    step = run.get("kept", run["steps"])
+    return "its start" if step == 0 else f"step {step}"
+
+
 def _table(header: list, rows: list) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
@@ -137,6 +172,36 @@ def _table(header: list, rows: list) -> str:
 
 def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def tasks_plot(rows: list, path: Path) -> None:
+    """Parent and child side by side per task and metric (higher or lower is better as the metric says)."""
+    rows = [r for r in rows if "perplexity" not in r["metric"]] or rows  # one scale: rates and bits per byte
+    plt = _plots()
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows)), 3.5))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["teacher"] for r in rows], 0.4, label="parent")
+    ax.bar([i + 0.2 for i in x], [r["value"] for r in rows], 0.4, yerr=[r["stderr"] or 0 for r in rows],
+           label="child")
+    ax.set_xticks(list(x), [f"{r['task']}\n{r['metric']}" for r in rows], fontsize=8)
+    ax.legend()
+    ax.set_title("lm-eval tasks")
+    _save(fig, path)
+
+
+def _tasks_section(out: Path, d: Path) -> list[str]:
+    """`compress --tasks`: parent and child on lm-evaluation-harness tasks, with the difference and its error."""
+    f = out / "work" / "tasks.done"
+    if not f.exists():
+        return []
+    t = json.loads(f.read_text())
+    tasks_plot(t["rows"], d / "tasks.png")
+    return ["## Tasks\n", f"lm-evaluation-harness on {', '.join(t['tasks'])}"
+            + (f", at most {t['limit']} examples each" if t["limit"] else "") + " (`puzzlekit eval --tasks`).\n",
+            "![tasks](tasks.png)\n",
+            _table(["task", "metric", "parent", "child", "difference", "child stderr"],
+                   [(r["task"], r["metric"], _fmt(r["teacher"]), _fmt(r["value"]), _fmt(r["difference"]),
+                     _fmt(r["stderr"]) if r["stderr"] is not None else "-") for r in t["rows"]])]
 
 
 def _serving_section(check: dict | None) -> list[str]:
@@ -200,12 +265,14 @@ def write_report(out) -> Path:
                      [(name, _fmt(quality[name]["kl"]), _fmt(quality[name]["top1_agreement"]),
                        _fmt(quality[name]["bits_per_byte"]), _fmt(quality[name]["mtp_acceptance"]))
                       for name in ("parent", "child")]),
+              *_mtp_ratio(quality),
               "\n## The serving engine\n",
               f"Profile {engine['rules']}.\n",
               f"Summed library score at the target under it: {_fmt(engine['score'])}; without any engine's rules: "
               f"{_fmt(unconstrained) if unconstrained is not None else 'infeasible'}"
               + (f" ({_fmt(engine['score'] / unconstrained)}x: what being servable costs in the search's terms)"
                  if unconstrained and engine["score"] is not None else "") + ".\n",
+              *_tasks_section(out, d),
               *_serving_section(json.loads((out / "work" / "serving.done").read_text())
                                 if (out / "work" / "serving.done").exists() else None),
               "## The search\n", "![frontier](frontier.png)\n",
@@ -213,9 +280,12 @@ def write_report(out) -> Path:
                      [(p["method"], p["budget"], p["constraint"], _fmt(p["score"]), _fmt(p["relative"]),
                        f"{p['params']:,}") for p in plan["frontier"]]),
               "\n## Distillation\n", "![distillation](distillation.png)\n",
-              "Distillation's own evaluations, on the held-out `selection` set (they chose the kept weights).\n",
-              _table(["run", "steps", "KL before", "KL after", "top-1 before", "top-1 after", "bits/byte after"],
-                     [(i + 1, r["steps"], _fmt(r["before"]["kl"]), _fmt(r["after"]["kl"]),
+              "Distillation's own evaluations, on the held-out `selection` set (they chose the kept weights: "
+              "each run on the metric it names; a head-only run on its head's loss, the trunk KL it cannot move).\n",
+              _table(["run", "steps", "selected on", "before", "after", "kept", "KL before", "KL after",
+                      "top-1 before", "top-1 after", "bits/byte after"],
+                     [(i + 1, r["steps"], _selection_name(r), _fmt(r["before"][selected_on(r)]),
+                       _fmt(r["after"][selected_on(r)]), _kept(r), _fmt(r["before"]["kl"]), _fmt(r["after"]["kl"]),
                        _fmt(r["before"]["top1_agreement"]), _fmt(r["after"]["top1_agreement"]),
                        _fmt(r["after"]["bits_per_byte"])) for i, r in enumerate(distills)]),
               "\n## MTP acceptance length\n", "![mtp](mtp.png)\n",

@@ -41,6 +41,10 @@ def evaluate(args) -> int:
     from ..tokenizer import check_shared, set_tokenizer, vocab_of
     from .default_model import model_path
 
+    if args.tasks:
+        from .tasks import eval_command
+
+        return eval_command(args)
     compute = compute_of(args)
     if args.k > args.new_tokens:
         raise UsageError(f"--k {args.k} drafts more tokens per step than --new-tokens {args.new_tokens} generates")

@@ -6,6 +6,7 @@
     build_engines.py the TensorRT 10.x / 11.x (or TensorRT-RTX) Python build; trtexec.sh the same by trtexec
     validate.py      engines against golden.npz (onnxruntime, or the ONNX reference evaluator for FP4 graphs)
     manifest.json    sha256 of every file and the provenance; README.md  how to deploy it
+    serve.sh, trtllm-llm-api.yaml  with a checkpoint given: vLLM, SGLang and TensorRT-LLM serving it as priced
 
 Prefill and decode are separate engines: one profile spanning both picks poor kernels for each. Prefill gets
 short / medium / long profiles; decode one profile over batch 1..max batch and the past up to the context.
@@ -32,6 +33,8 @@ from ...ir.companions import copy_companions
 from ...outputs import check_output, staged_dir
 from ..cost import Scenario, cost
 from ..onnx import DECODE, PREFILL, export_onnx
+from ..layout import Layout
+from ..serving import TRTLLM_YAML, serving
 from ..targets import Target
 
 TEMPLATES = Path(__file__).with_name("templates")
@@ -322,11 +325,15 @@ def run_build(directory: Path, kind: str, timeout: float | None = None) -> dict:
 
 def write_bundle(prog: Program, out, target: Target, scenario: Scenario, build: str = "auto",
                  overwrite: bool = False, provenance: dict | None = None, opset: int = 23,
-                 calibration_ids=None) -> BundleReport:
+                 calibration_ids=None, checkpoint=None, layout=None, draft_tokens: int | None = None,
+                 ssm_dtype: str | None = None) -> BundleReport:
     """Writes the bundle for `target` into `out`, atomically; builds its engines here when `build` is "yes", or
     "auto" and a builder is present. The program is exported as it is: quantize it first for the target. Where
     the scenario plans an FP8 KV cache, its scales are calibrated on `calibration_ids` [batch, tokens] (default:
-    seeded random tokens)."""
+    seeded random tokens). With `checkpoint` (the program's saved directory) the bundle also says how to serve it
+    with vLLM, SGLang and TensorRT-LLM (backends/serving.py) as priced: in `layout` (default: the best one, as
+    `cost` picks), with `draft_tokens` drafted by the MTP head and the SSM state in `ssm_dtype` (default: the
+    scenario's)."""
     check_output(out, prog.input_paths(), overwrite)  # before the work, not after
     kind = builder_kind(target)
     check_fp4(formats(prog), target)
@@ -336,9 +343,16 @@ def write_bundle(prog: Program, out, target: Target, scenario: Scenario, build: 
         raise BundleError(f"cannot build {target.name} engines here: {kind} is not installed"
                           + ("" if kind == "tensorrt-rtx" else " or no GPU is present")
                           + "; pass --build no to write the bundle only")
+    if layout:  # the memory plan and the serving commands priced in the layout asked for
+        layout = str(Layout.parse(str(layout)))
+        if scenario.layout and str(Layout.parse(scenario.layout)) != layout:
+            raise BundleError(f"layout {layout} differs from the one scenario {scenario.name} pins, {scenario.layout}")
+        scenario = dataclasses.replace(scenario, layout=layout).check()
     report = cost(prog, target, scenario)
     if report.max_concurrency < 1:
         raise BundleError(f"the model does not fit {target.name} for scenario {scenario.name}: {report.infeasible}")
+    serve = serving(prog, checkpoint, report.layout, scenario, report.max_batch, draft_tokens, ssm_dtype) \
+        if checkpoint is not None else None
     prec = precision(prog)
     engine_batch = max(1, min(report.max_batch or 1, MAX_ENGINE_BATCH))
     outputs = list(prog.outputs)
@@ -376,6 +390,11 @@ def write_bundle(prog: Program, out, target: Target, scenario: Scenario, build: 
                            "prompt_len": min(12, profiles["prefill"][0]["shapes"]["input_ids"]["max"][1]),
                            "decode_steps": 6},
         }
+        if serve:
+            spec["serving"] = serve.to_json()
+            (tmp / "serve.sh").write_text(serve.serve_sh())
+            (tmp / "serve.sh").chmod(0o755)
+            (tmp / TRTLLM_YAML).write_text(serve.trtllm_yaml())
         (tmp / "build.json").write_text(json.dumps(spec, indent=2) + "\n")
         batch = min(2, engine_batch, profiles["prefill"][0]["shapes"]["input_ids"]["max"][0])
         np.savez(tmp / "golden.npz", **_golden(tmp, spec, vocab, batch, outputs))
@@ -384,7 +403,7 @@ def write_bundle(prog: Program, out, target: Target, scenario: Scenario, build: 
         (tmp / "trtexec.sh").write_text(_trtexec(spec))
         (tmp / "trtexec.sh").chmod(0o755)
         engines = run_build(tmp, kind) if build == "yes" or (build == "auto" and can_build(kind)) else {}
-        (tmp / "README.md").write_text(_readme(spec, engines))
+        (tmp / "README.md").write_text(_readme(spec, engines) + ("\n" + serve.readme() if serve else ""))
         files = sorted(p.name for p in tmp.iterdir() if p.is_file())
         manifest = {"format": FORMAT, "files": {f: _sha256(tmp / f) for f in files},
                     "provenance": provenance or {}, "engines_built_here": engines}

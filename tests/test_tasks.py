@@ -1,0 +1,128 @@
+"""lm-evaluation-harness tasks on puzzlekit models (`puzzlekit` lm-eval model, `eval --tasks`).
+
+Oracles: lm-eval's own `hf` model (transformers' NemotronH) on the same checkpoint, scoring the same task files
+(multiple choice, rolling log-likelihood, greedy generation with a stop string); and, for the built-in byte
+model, each request scored alone by an unbatched forward."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from puzzlekit import ir  # noqa: E402
+from puzzlekit.backends.torch import materialize  # noqa: E402
+from puzzlekit.tools.cli import main  # noqa: E402
+
+import puzzlekit.lm_eval_model  # noqa: E402,F401  (registers "puzzlekit")
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+DEFAULT = Path(__file__).resolve().parents[1] / "tools" / "default-model"
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(local_tasks):
+    return local_tasks
+
+
+def _run(model, model_args, tasks_dir, tasks=("pk_mc", "pk_ppl", "pk_gen"), batch_size=4):
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
+                                   task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True,
+                                   batch_size=batch_size, bootstrap_iters=0)
+
+
+def _samples(res, task) -> list:
+    return [s["filtered_resps"] for s in sorted(res["samples"][task], key=lambda s: s["doc_id"])]
+
+
+@pytest.fixture(scope="module")
+def both(subword, tasks_dir):
+    """(puzzlekit's results, lm-eval's hf model's results) on the subword checkpoint, float32 on CPU."""
+    args = f"pretrained={subword.model},dtype=float32,device=cpu"
+    return _run("puzzlekit", args, tasks_dir), _run("hf", args, tasks_dir, batch_size=1)
+
+
+def test_multiple_choice_loglikelihoods_equal_the_hf_models(both):
+    ours, theirs = both
+    a, b = _samples(ours, "pk_mc"), _samples(theirs, "pk_mc")
+    assert len(a) == len(b) == 12
+    for mine, hf in zip(a, b):
+        assert [g for _, g in mine] == [g for _, g in hf]
+        for (x, _), (y, _) in zip(mine, hf):
+            assert abs(float(x) - float(y)) <= TOL * max(1.0, abs(float(y))), (mine, hf)
+    assert ours["results"]["pk_mc"]["acc,none"] == theirs["results"]["pk_mc"]["acc,none"]
+    assert len({round(float(x), 3) for s in a for x, _ in s}) > 12  # real, differing scores
+
+
+def test_rolling_loglikelihood_equals_the_hf_models(both):
+    ours, theirs = both
+    for mine, hf in zip(_samples(ours, "pk_ppl"), _samples(theirs, "pk_ppl")):
+        assert abs(float(mine[0]) - float(hf[0])) <= TOL * abs(float(hf[0]))
+    assert ours["results"]["pk_ppl"]["bits_per_byte,none"] == \
+        pytest.approx(theirs["results"]["pk_ppl"]["bits_per_byte,none"], rel=TOL)
+
+
+def test_generation_equals_the_hf_models_greedy_output(both):
+    ours, theirs = both
+    a, b = _samples(ours, "pk_gen"), _samples(theirs, "pk_gen")
+    assert a == b and any(x[0] for x in a)  # something was generated, cut at the stop string
+    assert all("\n" not in x[0] for x in a)
+
+
+def test_a_published_child_evaluates_through_its_own_code_in_hf_too(subword, tasks_dir, tmp_path):
+    """The hf model loads a child saved by puzzlekit (trust_remote_code): the two agree on it as well."""
+    prog = ir.load(subword.model)
+    ir.save(prog, tmp_path / "child")
+    args = f"pretrained={tmp_path / 'child'},dtype=float32,device=cpu"
+    ours = _run("puzzlekit", args, tasks_dir, tasks=("pk_mc",))
+    theirs = _run("hf", args + ",trust_remote_code=True", tasks_dir, tasks=("pk_mc",), batch_size=1)
+    for mine, hf in zip(_samples(ours, "pk_mc"), _samples(theirs, "pk_mc")):
+        assert [float(x) for x, _ in mine] == pytest.approx([float(y) for y, _ in hf], rel=TOL)
+
+
+def test_the_byte_model_scores_each_request_as_an_unbatched_forward_does(tasks_dir):
+    """Batching (long first, right padding) changes nothing: each continuation's log-likelihood equals one
+    forward over that request alone."""
+    res = _run("puzzlekit", f"pretrained={DEFAULT}", tasks_dir, tasks=("pk_mc",))
+    m = materialize(ir.load(DEFAULT))
+    for s in sorted(res["samples"]["pk_mc"], key=lambda s: s["doc_id"]):
+        for (context, continuation), (got, _) in zip([r for r in s["arguments"]], s["filtered_resps"]):
+            ctx, cont = list(context.encode()), list(continuation.encode())
+            with torch.no_grad():
+                logits = m(torch.tensor([ctx + cont[:-1]]))[0][0]
+            want = torch.log_softmax(logits.float(), -1)[len(ctx) - 1:].gather(-1, torch.tensor(cont)[:, None]).sum()
+            assert float(got) == pytest.approx(float(want), rel=1e-5, abs=1e-4)
+
+
+def test_eval_tasks_prints_the_table_and_json(subword, tasks_dir, capsys):
+    assert main(["eval", str(subword.model), "--tasks", "pk_mc,pk_ppl", "--include-path", str(tasks_dir),
+                 "--limit", "6", "--teacher", str(subword.model), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {(r["task"], r["metric"]): r for r in out["rows"]}
+    assert set(rows) >= {("pk_mc", "acc"), ("pk_ppl", "word_perplexity"), ("pk_ppl", "bits_per_byte")}
+    assert all(r["difference"] == 0 for r in rows.values())  # the model is its own teacher
+    assert rows[("pk_mc", "acc")]["stderr"] is not None
+    assert main(["eval", str(subword.model), "--tasks", "pk_mc", "--include-path", str(tasks_dir), "--limit",
+                 "4"]) == 0
+    text = capsys.readouterr().out
+    assert "pk_mc" in text and "acc" in text and "± stderr" in text
+
+
+def test_a_task_whose_data_must_be_downloaded_offline_fails_in_one_line(tasks_dir, tmp_path):
+    (tmp_path / "remote.yaml").write_text("task: pk_remote\ndataset_path: someone/some_dataset\ntest_split: test\n"
+                                          "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: [a, b]\n"
+                                          "doc_to_target: 0\n")
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "HF_HOME": str(tmp_path / "hf")}
+    r = subprocess.run([sys.executable, "-m", "puzzlekit.tools", "eval", "--tasks", "pk_remote", "--include-path",
+                        str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert "task pk_remote" in last and "--include-path" in last, r.stderr[-2000:]
+    assert main(["eval", "--tasks", "no_such_task_anywhere", "--include-path", str(tasks_dir)]) == 2

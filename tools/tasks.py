@@ -1,0 +1,131 @@
+"""lm-evaluation-harness tasks on puzzlekit models: `eval --tasks` and `compress --tasks`.
+
+Tasks are loaded one by one before any model runs, so a task whose data cannot be had (a dataset to download on
+an offline machine, a data file that is not there) is refused naming it, and the way to run it offline: a task
+YAML whose `dataset_path: json` reads `data_files` on disk (or a `save_to_disk` directory), in a folder passed
+with --include-path."""
+from __future__ import annotations
+
+import math
+
+from ..errors import UsageError
+
+#: the metrics a table shows per task, in this order when present (others follow)
+PREFERRED = ("acc", "acc_norm", "exact_match", "word_perplexity", "byte_perplexity", "bits_per_byte")
+
+
+def _lm_eval():
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager, get_task_dict
+    except ImportError:
+        raise UsageError("--tasks needs lm-evaluation-harness: pip install 'puzzlekit[eval]'") from None
+    return lm_eval, TaskManager, get_task_dict
+
+
+def task_names(text: str) -> list[str]:
+    names = [t.strip() for t in (text or "").split(",") if t.strip()]
+    if not names:
+        raise UsageError("--tasks: name at least one task (comma-separated), e.g. --tasks arc_easy,hellaswag")
+    return names
+
+
+def load_tasks(names: list[str], include_path=None) -> dict:
+    """{name: lm-eval task or group} for each name, its data read now: a task that cannot be loaded is refused
+    with one line naming it."""
+    _, TaskManager, get_task_dict = _lm_eval()
+    manager = TaskManager(include_path=[str(p) for p in include_path] if include_path else None)
+    known = set(manager.all_tasks)
+    out = {}
+    for name in names:
+        if name not in known:
+            raise UsageError(f"--tasks: unknown task {name!r}; lm-eval knows {len(known):,} (lm_eval ls tasks), and "
+                             "a task of your own is a YAML file in a folder passed with --include-path")
+        try:
+            out.update(get_task_dict([name], manager))
+        except Exception as e:  # datasets raises ConnectionError, FileNotFoundError, DatasetNotFoundError, ...
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise UsageError(f"task {name}: its data could not be loaded ({type(e).__name__}: {first[:200]}); on a "
+                             "machine without the network, put the data on disk and write a task YAML that reads it "
+                             "(dataset_path: json with data_files, or a save_to_disk directory), then pass its "
+                             "folder with --include-path") from None
+    return out
+
+
+def evaluate_tasks(model, tasks: dict, limit=None, num_fewshot=None, batch_size: int = 8) -> dict:
+    """{task: {metric: (value, standard error or None)}} of an lm-eval model (a PuzzlekitLM) on loaded tasks."""
+    import logging
+
+    lm_eval, _, _ = _lm_eval()
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-metric defaults, said for every task YAML
+    res = lm_eval.simple_evaluate(model=model, tasks=list(tasks.values()), limit=limit, num_fewshot=num_fewshot,
+                                  batch_size=batch_size, log_samples=False, bootstrap_iters=1000,
+                                  random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    out = {}
+    for task, metrics in res["results"].items():
+        row = {}
+        for key, v in metrics.items():
+            name, _, filt = key.partition(",")
+            if not filt or name.endswith("_stderr") or not isinstance(v, (int, float)):
+                continue
+            err = metrics.get(f"{name}_stderr,{filt}")
+            row[name] = (float(v), float(err) if isinstance(err, (int, float)) and math.isfinite(err) else None)
+        out[task] = dict(sorted(row.items(), key=lambda kv: (PREFERRED.index(kv[0]) if kv[0] in PREFERRED
+                                                                 else len(PREFERRED), kv[0])))
+    return out
+
+
+def model_for(prog, compute, batch_size: int = 8):
+    """The lm-eval model of a loaded program (registered as `puzzlekit` by this import)."""
+    _lm_eval()
+    from ..lm_eval_model import PuzzlekitLM
+
+    return PuzzlekitLM(program=prog, compute=compute, batch_size=batch_size)
+
+
+def rows(scores: dict, teacher: dict | None = None) -> list[dict]:
+    """One row per (task, metric): the value, its standard error, and with a teacher its value and the difference."""
+    out = []
+    for task, metrics in scores.items():
+        for metric, (value, err) in metrics.items():
+            row = {"task": task, "metric": metric, "value": value, "stderr": err}
+            if teacher is not None and metric in teacher.get(task, {}):
+                row |= {"teacher": teacher[task][metric][0], "difference": value - teacher[task][metric][0]}
+            out.append(row)
+    return out
+
+
+def table(rows_: list[dict]) -> str:
+    from ..ir.printer import format_table
+
+    teacher = any("teacher" in r for r in rows_)
+    head = ("task", "metric", "value", "± stderr") + (("teacher", "difference") if teacher else ())
+    f = lambda v: "-" if v is None else f"{v:.4f}"
+    return format_table([head] + [(r["task"], r["metric"], f(r["value"]), f(r["stderr"]))
+                                  + ((f(r.get("teacher")), f"{r['difference']:+.4f}" if "difference" in r else "-")
+                                     if teacher else ()) for r in rows_])
+
+
+def eval_command(args) -> int:
+    """`puzzlekit eval MODEL --tasks T1,T2 [--teacher T]`: the tasks' metrics, and the teacher's beside them."""
+    from .. import ir
+    from ..tokenizer import check_shared, set_tokenizer
+    from .common import compute_of, emit, load_model
+    from .default_model import model_path
+
+    names = task_names(args.tasks)
+    load_tasks(names, args.include_path)  # every task's data first: refused before a model is read
+    compute = compute_of(args)
+    prog = ir.verify(load_model(args, text=True))
+    teacher = None
+    if args.teacher:
+        teacher = ir.verify(ir.load(model_path(args.teacher)))
+        set_tokenizer(teacher, args.tokenizer)
+        check_shared(prog, teacher)
+    run = lambda p: evaluate_tasks(model_for(p, compute, args.batch_size), load_tasks(names, args.include_path),
+                                   args.limit, args.num_fewshot, args.batch_size)
+    scores = run(prog)
+    found = rows(scores, run(teacher) if teacher is not None else None)
+    emit(args, {"model": str(model_path(args.model)), "teacher": args.teacher, "tasks": names, "limit": args.limit,
+                "num_fewshot": args.num_fewshot, "rows": found}, table(found))
+    return 0
