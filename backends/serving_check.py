@@ -160,6 +160,14 @@ def _head_problems(engine: str, cfg: dict, prog) -> list[str]:
             out.append(f"the top-level n_routed_experts is {sized} but a layer has {largest} experts; vLLM sizes its "
                        "expert weight map by the top level, so that layer's last experts would not load")
     if engine == "tensorrt-llm":
+        head = next((b for m in mtp for b in m.op.blocks if b.kind == "attention"), None)
+        geometry = lambda op: (op.q_heads, op.kv_heads, op.head_dim)
+        other = next((n for n in prog.blocks("attention") if head and geometry(n.op) != geometry(head)), None)
+        if other is not None:
+            out.append(f"the trunk's attention ({other.path}: heads/KV heads/head size {geometry(other.op)}) and "
+                       f"the MTP head's {geometry(head)} differ; TensorRT-LLM builds both from the same top-level "
+                       "fields, so one of them does not load: serve with vLLM or SGLang, or search with --engine "
+                       "tensorrt-llm, which keeps them equal")
         for n in [*prog.blocks("moe"), *[b for m in mtp for b in m.op.blocks if b.kind == "moe"]]:
             op = getattr(n, "op", n)
             if op.experts <= 384 and op.top_k > 8:

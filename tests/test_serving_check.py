@@ -32,9 +32,10 @@ def test_each_engine_reads_the_child_as_its_code_does(child):
     v = _verdicts(child)
     assert v["vllm"].loads and v["sglang"].loads, (v["vllm"].problems, v["sglang"].problems)
     assert not v["tensorrt-llm"].loads
-    (trt,) = v["tensorrt-llm"].problems
+    trt, head = v["tensorrt-llm"].problems
     assert trt.startswith("backbone.layers.3 (attention)") and "num_key_value_heads=2 (holds 1)" in trt
     assert "would not load" in trt
+    assert "MTP head's (4, 2, 32) differ" in head and "(2, 1, 32)" in head
     layers = {x["layer"]: x for x in v["tensorrt-llm"].layers}
     assert layers["backbone.layers.1"]["from"].startswith("block_configs[1]")  # MoE fields per layer
     assert layers["backbone.layers.1"]["fields"]["num_experts_per_tok"] == 1
