@@ -6,6 +6,7 @@ YAML whose `dataset_path: json` reads `data_files` on disk (or a `save_to_disk` 
 with --include-path."""
 from __future__ import annotations
 
+import functools
 import math
 
 from ..errors import UsageError
@@ -30,11 +31,18 @@ def task_names(text: str) -> list[str]:
     return names
 
 
+@functools.lru_cache(maxsize=4)
+def _manager(include_path: tuple[str, ...]):
+    """lm-eval's task index (it reads every task YAML it ships: seconds), made once per set of folders."""
+    _, TaskManager, _ = _lm_eval()
+    return TaskManager(include_path=list(include_path) or None)
+
+
 def load_tasks(names: list[str], include_path=None) -> dict:
     """{name: lm-eval task or group} for each name, its data read now: a task that cannot be loaded is refused
-    with one line naming it."""
-    _, TaskManager, get_task_dict = _lm_eval()
-    manager = TaskManager(include_path=[str(p) for p in include_path] if include_path else None)
+    with one line naming it. Each call builds fresh task objects (they hold one evaluation's requests)."""
+    _, _, get_task_dict = _lm_eval()
+    manager = _manager(tuple(str(p) for p in include_path or ()))
     known = set(manager.all_tasks)
     out = {}
     for name in names:
