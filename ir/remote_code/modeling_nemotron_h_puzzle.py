@@ -127,14 +127,14 @@ class NemotronHPuzzleExpert(nn.Module):
         self.act_fn = ACT2FN[config.mlp_hidden_act]
 
     def forward(self, x, up_scale=None, down_scale=None):
-        if isinstance(self.up_proj, ModelOptLinear):  # the layer's shared input scales, not each expert's own
-            x = F.linear(self.up_proj.quantize_input(x, up_scale), self.up_proj.dequantized(x.dtype))
-        else:
-            x = self.up_proj(x)
-        x = self.act_fn(x)
-        if isinstance(self.down_proj, ModelOptLinear):
-            return F.linear(self.down_proj.quantize_input(x, down_scale), self.down_proj.dequantized(x.dtype))
-        return self.down_proj(x)
+        """`up_scale`, `down_scale`: the layer's shared input scales, used instead of each expert's own."""
+        return _linear(self.down_proj, self.act_fn(_linear(self.up_proj, x, up_scale)), down_scale)
+
+
+def _linear(layer: nn.Module, x: torch.Tensor, input_scale=None) -> torch.Tensor:
+    if isinstance(layer, ModelOptLinear):
+        return F.linear(layer.quantize_input(x, input_scale), layer.dequantized(x.dtype))
+    return layer(x)
 
 
 class NemotronHPuzzleExperts(nn.ModuleList):
