@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import PuzzlekitError
+from ..errors import PuzzlekitError, UsageError
 from ..outputs import cache_dir
 from .torch.device import CPU, Compute
 
@@ -50,6 +50,47 @@ def conditions(compute: Compute = CPU) -> dict:
 
 #: a cost table every MeasuredProvider of the process uses, as it is (see MeasuredProvider)
 COST_TABLE_ENV = "PUZZLEKIT_COST_TABLE"
+
+
+class CostTableError(UsageError):
+    """A cost table to be used as it is (compress --cost-table, a run's own) that is not one: read before any
+    work, since a table silently dropped would be timed anew for minutes and give another child."""
+
+
+def read_cost_table(path, fix: str = "give a run's OUT/cost-table.json, or drop --cost-table to time the ops "
+                                     "on this machine") -> dict:
+    """The times of the cost table at `path`, checked: JSON in the form a provider writes ({"conditions": {...},
+    "times": {op key: seconds}}), every key an op's and every time a finite number >= 0, timed on a CPU (the
+    `cpu` target's device; the machine may be another). Raises CostTableError naming the file, what is wrong and
+    `fix`."""
+    def bad(what: str):
+        return CostTableError(f"cost table {path}: {what}; {fix}")
+
+    try:
+        raw = json.loads(Path(path).read_bytes())
+    except OSError as e:
+        raise bad(f"cannot be read ({e.strerror or e})") from None
+    except ValueError as e:  # not JSON (UnicodeDecodeError is a ValueError too)
+        raise bad(f"not a cost table: not JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("conditions"), dict) or \
+            not isinstance(raw.get("times"), dict):
+        keys = ", ".join(list(raw)[:6]) if isinstance(raw, dict) else type(raw).__name__
+        raise bad("not a cost table (op timings: an object of 'conditions' and 'times'; this holds "
+                  f"{keys or 'nothing'})")
+    device = raw["conditions"].get("device", "cpu")
+    if device != "cpu":
+        gpu = raw["conditions"].get("gpu")
+        raise bad(f"timed on {device}{f' ({gpu})' if gpu else ''}, and the cpu target is priced from CPU timings")
+    for key, t in raw["times"].items():
+        try:
+            op = json.loads(key)
+        except ValueError:
+            op = None
+        if not (isinstance(op, list) and len(op) == 7 and isinstance(op[0], str)):
+            raise bad(f"{key[:60]!r} is not an op timing's key")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise bad(f"the time of {key[:60]!r} is {t!r}, not seconds (a finite number >= 0): the table is damaged")
+    return {k: float(t) for k, t in raw["times"].items()}
 
 
 class MeasuredProvider:
@@ -89,6 +130,8 @@ class MeasuredProvider:
 
     # -- the cache --------------------------------------------------------------------------------------------
     def _load(self) -> dict:
+        if self.pinned and self.cache_file.exists():  # taken as it is: a damaged one is refused, never re-timed
+            return read_cost_table(self.cache_file, f"delete it, or unset ${COST_TABLE_ENV}, to time the ops anew")
         try:
             raw = json.loads(self.cache_file.read_text())
         except (OSError, ValueError):

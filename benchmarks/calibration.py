@@ -116,6 +116,27 @@ def headlines(parent, child, eff: Efficiency) -> dict:
             "decode-heavy, child with MTP / Super": (4.63, thr(mtp[1]) / thr(dec[0]), 0.15, [dec[0], mtp[1]])}
 
 
+#: serving settings the published ratios may have been measured under (issue 39); pinned layouts besides the best
+SETTING_LAYOUTS = ("", "tp8", "tp2.dp4.ep8")
+
+
+def settings(parent, child, eff: Efficiency) -> list[dict]:
+    """The decode- and prefill-heavy child/parent ratios under each SSM state dtype x CUDA graphs x layout (""
+    is each model's best): what it would take to reach 2.03x / 1.60x. A check only: no constant is set on them."""
+    out = []
+    for ssm in ("fp32", "bf16"):
+        for graphs in (True, False):
+            for layout in SETTING_LAYOUTS:
+                row = {"ssm_dtype": ssm, "cuda_graphs": graphs, "layout": layout or "best"}
+                for name in ("decode-heavy", "prefill-heavy"):
+                    p, c = _pair(parent, child, "8xb200", name, eff, ssm_dtype=ssm, cuda_graphs=graphs,
+                                 layout=layout or None)
+                    row[name] = c.throughput_tokens_per_second / p.throughput_tokens_per_second \
+                        if p.throughput_tokens_per_second else float("nan")
+                out.append(row)
+    return out
+
+
 def memory_claims(parent, child, eff) -> list[dict]:
     h = _pair(parent, child, "h100", "long-1m", eff)
     pc, cc = parent.param_counts(), child.param_counts()
@@ -165,6 +186,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--sensitivity", action="store_true", help="each headline ratio at +-20%% on every constant")
+    ap.add_argument("--settings", action="store_true", help="the ratios under each SSM state dtype x CUDA graphs x "
+                                                            "layout, next to the published 2.03x / 1.60x")
     ap.add_argument("--fit", metavar="CONSTANT", help="calibration-set error over a grid of one Efficiency field")
     args = ap.parse_args()
     eff = Efficiency()
@@ -173,6 +196,17 @@ def main() -> None:
     if args.fit:
         for v, rms in fit(args.fit, models, eff):
             print(f"{args.fit} = {v:.3g}: rms log error {rms:.3f} on the calibration set")
+        return
+    if args.settings:
+        rows = settings(parent, child, eff)
+        if args.json:
+            print(json.dumps(rows, indent=1))
+            return
+        print("| SSM state | CUDA graphs | layout | decode-heavy (published 2.03x) | prefill-heavy (published 1.60x) |"
+              "\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['ssm_dtype']} | {'on' if r['cuda_graphs'] else 'off'} | {r['layout']} | "
+                  f"{r['decode-heavy']:.2f}x | {r['prefill-heavy']:.2f}x |")
         return
     cal, val = errors(CALIBRATION, models, eff), errors(VALIDATION, models, eff)
     heads, mem = headlines(parent, child, eff), memory_claims(parent, child, eff)

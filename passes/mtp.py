@@ -3,7 +3,8 @@
 `mtp-check` measures the mean acceptance length of greedy self-speculative decoding (the MTP head drafts,
 the trunk verifies; see evaluate.acceptance_length) on prompts from the held-out `report` set, for the
 program and for the teacher snapshot, and fails the pipeline when the program's falls more than `tolerance`
-below the teacher's. Recovery is `distill{head_only=true}`: it trains only the head's own weights.
+below the teacher's. Recovery is `distill{head_only=true,mtp_self=1.0}`: it trains only the head's own weights,
+on the teacher's head and on the trunk that verifies its drafts.
 """
 from __future__ import annotations
 
@@ -58,5 +59,5 @@ class MTPCheck(ComputePass):
         if ours < floor:
             raise PassError(f"the MTP head's mean acceptance length is {ours:.3f} tokens per step, below the "
                             f"teacher's {theirs:.3f} by more than tolerance={self.tolerance} (floor {floor:.3f}); "
-                            "recover it with distill{head_only=true,mtp=1.0} before mtp-check")
+                            "recover it with distill{head_only=true,mtp_self=1.0} before mtp-check")
         return Preserved.all()

@@ -304,6 +304,51 @@ def test_cpu_cost_refuses_decode_state_over_its_budget(tmp_path):
     assert prov.batch_limit([attention], 100_000) == MeasuredProvider.budget_bytes // prov.state_bytes(attention, 1, 100_000)
 
 
+OP_KEY = json.dumps(["mlp", {"hidden": 8}, [], 1, 1, 16, True])
+
+
+@pytest.mark.parametrize("content,words", [
+    (b"\x00\x9f\x92garbage{", ["not JSON"]),
+    (b'{"conditions": {"cpu": "x"}, "times": {"[\\"mlp\\"', ["not JSON"]),
+    (json.dumps({"model_type": "nemotron_h", "hidden_size": 128}).encode(), ["not a cost table", "model_type"]),
+    (json.dumps([1, 2, 3]).encode(), ["not a cost table", "list"]),
+    (json.dumps({"conditions": {"device": "cuda:0", "gpu": "NVIDIA H200"}, "times": {}}).encode(),
+     ["timed on cuda:0 (NVIDIA H200)", "CPU timings"]),
+    (json.dumps({"conditions": {}, "times": {"hello": 1.0}}).encode(), ["'hello' is not an op timing"]),
+    (json.dumps({"conditions": {}, "times": {OP_KEY: -1.0}}).encode(), ["-1.0, not seconds", "damaged"]),
+    (json.dumps({"conditions": {}, "times": {OP_KEY: "fast"}}).encode(), ["'fast', not seconds"]),
+])
+def test_compress_refuses_a_bad_cost_table_before_any_work(capsys, tmp_path, monkeypatch, content, words):
+    """(A corrupt or foreign --cost-table FILE was dropped without a word and every op timed anew: > 90 s.)"""
+    import puzzlekit.tools.compress as compress
+
+    monkeypatch.setattr(compress, "_parent", lambda *a: pytest.fail("the run started its work"))
+    table, out = tmp_path / "table.json", tmp_path / "run"
+    table.write_bytes(content)
+    code, err = run(capsys, "compress", "--quick", "--target", "cpu", "--cost-table", table, "-o", out)
+    assert code == 2 and f"cost table {table}" in err and "drop --cost-table" in err, err
+    assert all(w in err for w in words), err
+    assert len(err.strip().splitlines()) == 1 and not out.exists() and table.read_bytes() == content
+
+
+def test_a_pinned_cost_table_that_is_not_one_is_refused_not_timed_anew(capsys, tmp_path, monkeypatch):
+    """A rerun's own table (OUT/cost-table.json) is checked as well; the provider never drops a pinned table."""
+    import puzzlekit.tools.compress as compress
+    from puzzlekit.backends.measured import CostTableError, MeasuredProvider
+
+    monkeypatch.setattr(compress, "_parent", lambda *a: pytest.fail("the run started its work"))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "cost-table.json").write_text("{truncated")
+    code, err = run(capsys, "compress", "--quick", "--target", "cpu", "-o", out)
+    assert code == 2 and "cost-table.json: not a cost table: not JSON" in err and "delete it" in err, err
+    monkeypatch.setenv("PUZZLEKIT_COST_TABLE", str(out / "cost-table.json"))
+    with pytest.raises(CostTableError, match="not JSON"):
+        MeasuredProvider()
+    (out / "cost-table.json").write_text(json.dumps({"conditions": {}, "times": {OP_KEY: 2e-5}}))
+    assert MeasuredProvider()._cache == {OP_KEY: 2e-5}
+
+
 # -- 6. non-finite results -----------------------------------------------------------------------------------------
 def test_generate_with_nan_weights_in_a_real_process(nan_model):
     before = sha(nan_model)

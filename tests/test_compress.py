@@ -53,6 +53,24 @@ def test_the_compress_template_fills_in_to_a_pipeline_that_round_trips(extra, tm
         pipeline_text("x", parser().parse_args(["compress", "-o", str(tmp_path)]), tmp_path, tmp_path)
 
 
+def test_the_quick_head_only_stage_has_its_own_budget_and_its_figures_are_printed(tmp_path):
+    """The trunk's lr=1e-3 for 10 steps moved the head away from its start and keep-best threw the run away."""
+    from puzzlekit.passes import parse_pipeline
+    from puzzlekit.passes.pipeline import PIPELINES_DIR
+    from puzzlekit.tools.cli import parser
+    from puzzlekit.tools.compress import _mtp_line, pipeline_text
+
+    args = parser().parse_args(["compress", "--quick", "--target", "h100", "--speedup", "1.5", "-o", str(tmp_path)])
+    passes = parse_pipeline(pipeline_text((PIPELINES_DIR / "compress.pipeline").read_text(), args, tmp_path,
+                                          tmp_path / "lib"))
+    (head,) = [p for p in passes if p.pass_name == "distill" and p.head_only]
+    assert head.lr == 3e-4 and head.mtp_self == 1.0 and head.steps == 40 and head.eval_windows >= 8
+    quality = {"prompts": [2, 64, 16], "parent": {"mtp_acceptance": 2.5}, "child": {"mtp_acceptance": 2.45}}
+    assert _mtp_line(quality) == ("MTP acceptance on the report set: child 2.450 tokens/step, parent 2.500 (0.98x; "
+                                  "2 prompts, 16 tokens each)")
+    assert _mtp_line({**quality, "child": {"mtp_acceptance": None}}) == ""  # a model without a head
+
+
 def test_a_cost_table_is_refused_where_it_cannot_apply(tmp_path, capsys):
     from puzzlekit.tools.cli import main
 

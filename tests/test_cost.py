@@ -645,6 +645,53 @@ def test_the_cost_command_names_the_binding_constraint_and_headroom(capsys):
     assert j["headroom"]["requests"] == j["max_concurrency"] - j["max_batch"]
 
 
+def test_cost_refuses_a_pinned_layout_no_engine_splits_and_marks_such_rows(capsys):
+    """(`cost --layout tp3` on Super priced 128 Mamba heads and 32 query heads over 3 devices, and printed a
+    throughput for it.) The search's split rule applies: a pinned layout is refused naming what does not divide
+    and the layouts that do; in the layout table such rows carry no figures, only why."""
+    from puzzlekit.tools.cli import main
+
+    assert main(["cost", str(SUPER), "--target", "8xh100", "--gpus", "3", "--layout", "tp3"]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in ("layout tp3", "128 Mamba heads over tp3", "32 query heads over tp3", "tp1.r3",
+                                  "leave the layout out")), err
+    assert main(["cost", str(SUPER), "--target", "8xh200", "--gpus", "3", "--recipe", "fp8", "--scenario", "chat"]) == 0
+    out = capsys.readouterr().out
+    assert "(best of 2; 2 no engine splits the model over)" in out
+    marked = [ln.split()[0] for ln in out.splitlines() if "unservable: 128 Mamba heads over tp3" in ln]
+    assert marked == ["tp3", "tp3.ep3"], out
+    assert main(["cost", str(SUPER), "--target", "8xh200", "--gpus", "3", "--recipe", "fp8", "--scenario", "chat",
+                 "--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    rows = {r["layout"]: r for r in j["layouts"]}
+    assert set(rows) == {"tp3", "tp3.ep3", "tp1.dp3.ep3", "tp1.r3"} and j["layout"] in ("tp1.dp3.ep3", "tp1.r3")
+    assert "throughput" not in rows["tp3"] and "32 query heads over tp3 (9 layers)" in rows["tp3"]["unservable"]
+
+
+def test_compress_reports_its_models_in_layouts_the_engines_split(tmp_path):
+    """compress's deployment figures keep to the same rule: best layouts the engines split, and a pinned layout
+    the parent does not split over (a child's pruned heads may) is reported as such, not priced."""
+    from types import SimpleNamespace
+
+    from puzzlekit.tools.compress_outputs import deployment
+    from puzzlekit.tools.default_model import default_architecture
+
+    h = 128
+    parent = default_architecture()  # 2 Mamba groups: no split over tp4 under a quantized recipe
+    child = ir.assemble(Embed(256, h), [Mamba2(h, 8, 32, 32, groups=4, chunk=32), Attention(h, 4, 2, 32)],
+                        Norm(h), LMHead(256, h), None)
+    args = SimpleNamespace(target="8xh100", scenario="chat", engine="all")
+    dep = deployment(parent, child, args)
+    assert dep["parent"]["predicted"]["layout"].startswith(("tp1", "tp2"))
+    pinned = tmp_path / "pin.toml"
+    pinned.write_text('[pin]\ninput_len = 2048\noutput_len = 512\ngpus = 4\nlayout = "tp4"\n')
+    dep = deployment(parent, child, SimpleNamespace(target="8xh100", scenario=str(pinned), engine="all"))
+    assert "2 Mamba groups over tp4" in dep["parent"]["predicted"]["unservable"]
+    assert dep["child"]["predicted"]["layout"] == "tp4" and dep["child"]["predicted"]["tokens_per_second"] > 0
+    dep = deployment(parent, child, SimpleNamespace(target="8xh100", scenario=str(pinned), engine="none"))
+    assert dep["parent"]["predicted"]["layout"] == "tp4" and "unservable" not in dep["parent"]["predicted"]
+
+
 def test_the_published_memory_figures():
     """Puzzle-75B: about 70 GB (GiB) of NVFP4 weights for Super and 44.5 for the child; on one H100 at 1M
     tokens, 1 request for Super and 8 for the child (goal 7-9)."""

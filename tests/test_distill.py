@@ -229,6 +229,64 @@ def test_head_only_recovery_trains_only_the_mtp_heads_own_weights(parent):
     assert changed and all(k.startswith("mtp.") for k in changed), sorted(changed)[:5]
 
 
+@pytest.fixture(scope="module")
+def head_recovery(parent):
+    """compress --quick's head-only stage (its own budget) on a child whose trunk was cut: the pruned program,
+    the recovered one and the run's report."""
+    from puzzlekit.tools.compress import QUICK
+
+    prog = parent.copy()
+    am = PassManager("snapshot{name=teacher},set-topk{k=1},drop-blocks{layers=[2]},snapshot{name=pruned},"
+                     f"distill{{head_only=true,steps={QUICK['head_steps']},{QUICK['head']}}}").run(prog)
+    return am.snapshots["pruned"], prog, am.reports["distill"][0]
+
+
+def _draft_agreement(prog, windows) -> float:
+    """How often the MTP head's top token is its own trunk's (the first draft's acceptance, teacher-forced)."""
+    model = materialize(prog)
+    model.eval()
+    with torch.no_grad():
+        logits, mtp = model(windows)
+    return (logits[:, 1:].argmax(-1) == mtp[:, 1:].argmax(-1)).float().mean().item()
+
+
+def test_compress_quick_head_recovery_keeps_trained_weights_that_draft_better_for_the_trunk(head_recovery, parent):
+    from puzzlekit.data import corpus_for, held_out_windows
+
+    pruned, recovered, report = head_recovery
+    assert report["kept"] > 0 and report["best"]["step"] == report["kept"], report["evals"]  # not its start
+    moved = [k for k in pruned.weights.names() if not torch.equal(pruned.weights.get(k), recovered.weights.get(k))]
+    assert moved and all(k.startswith("mtp.") for k in moved)
+    assert report["after"]["mtp_loss"] < 0.95 * report["before"]["mtp_loss"]
+    assert report["after"]["mtp_self_kl"] < report["before"]["mtp_self_kl"]
+    windows = held_out_windows(corpus_for(parent, None), "selection", 65, limit=8)
+    assert _draft_agreement(recovered, windows) > _draft_agreement(pruned, windows)
+
+
+def test_a_head_only_run_selects_on_its_heads_loss_not_the_trunk_kl(head_recovery):
+    _, _, report = head_recovery
+    assert report["selected_on"] == "mtp_loss" and report["mtp_weights"] == {"mtp_kl": 1.0, "mtp_self_kl": 1.0}
+    seen = [report["before"], *report["evals"]]
+    assert len({m["kl"] for m in seen}) == 1  # the trunk KL cannot move: selecting on it keeps the start
+    for m in seen:
+        assert m["mtp_loss"] == pytest.approx(m["mtp_kl"] + m["mtp_self_kl"])
+    assert report["best"]["mtp_loss"] == min(m["mtp_loss"] for m in seen)
+
+
+def test_the_reports_distillation_table_names_what_each_run_selected_on(head_recovery):
+    from puzzlekit.tools.report import distillation_table
+
+    _, _, head = head_recovery
+    trunk = {**head, "selected_on": "kl", "mtp_weights": {}, "kept": 0, "terms": {"kl": 1.0, "mtp": 1.0}}
+    rows = distillation_table([trunk, head]).splitlines()
+    assert "| selected on | before | after | kept |" in rows[0]
+    assert rows[2].startswith(f"| 1 | {head['steps']} | KL | {head['before']['kl']:.4g} | {head['after']['kl']:.4g} "
+                              "| its start |")
+    assert rows[3].startswith(f"| 2 | {head['steps']} | MTP loss (KL to the teacher's head + KL to its own trunk) | "
+                              f"{head['before']['mtp_loss']:.4g} | {head['after']['mtp_loss']:.4g} | "
+                              f"step {head['kept']} |")
+
+
 def test_the_readme_hooks_example_runs():
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     code = re.search(r"<!-- hooks-example -->\s*```python\n(.*?)```", text, re.S).group(1)

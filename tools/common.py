@@ -83,6 +83,11 @@ def add_workload_arguments(parser, mtp: bool = True) -> None:
     g.add_argument("--gpus", type=positive_int, help="devices to use (default: all of the target's)")
     g.add_argument("--layout", help="pin a parallel layout, e.g. tp8, tp8.ep8, tp1.dp8.ep8, tp2.r4 (default: the "
                                     "best one is searched)")
+    g.add_argument("--ssm-cache-dtype", choices=["float32", "bfloat16", "float16"],
+                   help="the Mamba SSM state cache, priced and served (default: the checkpoint's "
+                        "mamba_ssm_cache_dtype, else the scenario's, float32)")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
+                   help="price decode without CUDA graphs (each kernel a host launch; vLLM --enforce-eager)")
     if not mtp:
         return
     g.add_argument("--mtp", action="store_true", help="serve with speculative decoding: the MTP head drafts "
@@ -98,12 +103,32 @@ def measured_acceptance(prog) -> dict | None:
     return prov.get("mtp_acceptance")
 
 
+def ssm_dtype_of(args, prog=None) -> str | None:
+    """The SSM state dtype to price: --ssm-cache-dtype, else the checkpoint's `mamba_ssm_cache_dtype` (what vLLM
+    defaults to), else None (the scenario's)."""
+    from ..backends.cost.scenario import SSM_STATE_DTYPES
+
+    by_engine = {v: k for k, v in SSM_STATE_DTYPES.items()}
+    given = getattr(args, "ssm_cache_dtype", None)
+    if given:
+        return by_engine[given]
+    config = (prog.meta.get("config") or {}) if prog is not None else {}
+    found = config.get("mamba_ssm_cache_dtype")
+    if found is None:
+        return None
+    if found not in by_engine:
+        raise UsageError(f"the checkpoint's mamba_ssm_cache_dtype is {found!r}; the engines take "
+                         f"{', '.join(by_engine)}: give --ssm-cache-dtype")
+    return by_engine[found]
+
+
 def scenario_of(args, prog=None, name: str | None = None, **more):
     """The scenario named by --scenario (or `name`) with the workload options (and `more` fields) applied."""
     from ..backends.cost import get_scenario
 
     over = {"input_len": args.input_len, "output_len": args.output_len, "rate_floor": args.rate_floor,
-            "gpus": args.gpus, "layout": args.layout, **more}
+            "gpus": args.gpus, "layout": args.layout, "ssm_dtype": ssm_dtype_of(args, prog),
+            "cuda_graphs": getattr(args, "cuda_graphs", None), **more}
     if getattr(args, "mtp", False):
         measured = measured_acceptance(prog) if prog is not None else None
         acceptance = args.mtp_acceptance or (measured or {}).get("length")

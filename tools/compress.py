@@ -65,6 +65,27 @@ def pipeline_text(template: str, args, out: Path, library: Path) -> str:
                              f"known: {', '.join(sorted(values))}") from None
 
 
+def _check_cost_table(args, out: Path) -> None:
+    """Before any work: `--cost-table FILE` only where ops are timed (the cpu target), and the table read and
+    checked (a corrupt or foreign file was silently timed anew, for minutes); a rerun's own table too."""
+    from ..backends.measured import read_cost_table
+    from ..backends.targets import get_target
+
+    if get_target(args.target).kind != "cpu":
+        if args.cost_table:
+            raise UsageError(f"--cost-table: target {args.target} is priced analytically, not from timings; "
+                             "drop --cost-table")
+        return
+    if args.cost_table:
+        src = Path(args.cost_table)
+        if not src.is_file():
+            raise UsageError(f"--cost-table {src}: no such file (a run's OUT/cost-table.json)")
+        read_cost_table(src, "give the OUT/cost-table.json of an earlier `compress --target cpu` run, or drop "
+                             "--cost-table to time the ops on this machine")
+    elif (out / "cost-table.json").exists():
+        read_cost_table(out / "cost-table.json", "delete it to time the ops anew (the rerun may choose another child)")
+
+
 @contextlib.contextmanager
 def _pinned_cost_table(args, out: Path):
     """On a measured (cpu) target, every round and every rerun of this run prices from one table of op
@@ -75,17 +96,12 @@ def _pinned_cost_table(args, out: Path):
     from ..backends.measured import COST_TABLE_ENV
     from ..backends.targets import get_target
 
-    if get_target(args.target).kind != "cpu":
-        if args.cost_table:
-            raise UsageError(f"--cost-table: target {args.target} is priced analytically, not from timings; "
-                             "drop --cost-table")
+    if get_target(args.target).kind != "cpu":  # (--cost-table was checked by _check_cost_table)
         yield
         return
     table = out / "cost-table.json"
     if args.cost_table:
         src = Path(args.cost_table)
-        if not src.is_file():
-            raise UsageError(f"--cost-table {src}: no such file (a run's OUT/cost-table.json)")
         if src.resolve() != table.resolve():
             out.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, table)
@@ -114,6 +130,7 @@ def compress(args, progress: bool = True) -> dict:
     from .common import compute_of
 
     compute_of(args)  # before any work: a device this machine lacks is a usage error
+    _check_cost_table(args, Path(args.output))  # and a cost table that is not one
     if getattr(args, "tasks", None):  # and a task whose data cannot be had
         from .tasks import load_tasks, task_names
 
@@ -217,7 +234,8 @@ def run_compress(args) -> int:
              f"params {plan['params']:,} (the parent's: {s['parent_params']:,})",
              f"child: {Path(args.output) / 'model'} ({s['outputs']['model']['form']})",
              _mtp_line(s["outputs"].get("quality")),
-             *(f"{k}: predicted {v['predicted']['tokens_per_second']:,.0f} tokens/s serving"
+             *(f"{k}: " + (f"unservable ({v['predicted']['unservable']})" if "unservable" in v["predicted"] else
+                           f"predicted {v['predicted']['tokens_per_second']:,.0f} tokens/s serving")
                + (f"; decode at batch {v['decode']['batch']}, context {v['decode']['context']:,}: predicted "
                   f"{v['decode']['predicted']:,.0f}, measured {v['decode']['measured']:,.0f} tokens/s"
                   if "decode" in v else "")

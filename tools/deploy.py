@@ -20,7 +20,7 @@ def cost(args) -> int:
     target = get_target(args.target)
     measured = MeasuredProvider(compute=compute) if target.kind == "cpu" else None
     sc = scenario_of(args, prog, recipe=args.recipe, concurrency=args.concurrency)
-    _, r = best_layout(prog, target, sc, measured)
+    _, r = best_layout(prog, target, sc, measured, engines=True)  # the search's split rule: no unservable layout
     s = r.scenario
     gb = 1e9
     rows = [("kind", "count", "weights GB", "state MB/req", "decode ms", "prefill ms")]
@@ -31,12 +31,16 @@ def cost(args) -> int:
                  f"{r.decode_step_seconds * 1e3:.3f}", f"{r.prefill_seconds * 1e3:.2f}"))
     table = format_table(rows).rstrip("\n")
     tried = [("layout", "batch", "tokens/s", "tokens/s/user", "serving ms", "binding")] + [
+        (x["layout"], "-", "-", "-", "-", f"unservable: {x['unservable']}") if x.get("unservable") else
         (x["layout"] + (" *" if x["layout"] == r.layout else ""), str(x["max_batch"]), f"{x['throughput']:,.0f}",
          f"{x['user_rate']:.1f}", f"{x['serve_step_ms']:.3f}", x["binding"] or "-") for x in r.layouts]
+    priced = sum(not x.get("unservable") for x in r.layouts)
     mtp = (f", MTP drafting {s.mtp_draft} at {s.mtp_acceptance:g} tokens/step" if s.mtp_draft else "")
     head = (f"{r.target}, scenario {s.name}: {s.input_len} in / {s.output_len} out, context {s.context_len}, "
             f"rate floor {s.rate_floor:g} tok/s, KV {s.kv_dtype}, weights {s.recipe or 'bf16'}{mtp}\n"
-            f"layout {r.layout}" + (" (pinned)" if s.layout else f" (best of {len(r.layouts)})") + "\n")
+            f"layout {r.layout}" + (" (pinned)" if s.layout else f" (best of {priced}"
+            + (f"; {len(r.layouts) - priced} no engine splits the model over" if priced < len(r.layouts) else "")
+            + ")") + "\n")
     h = r.headroom
     tail = (f"\nparams {r.params_total / 1e9:.2f}B total, {r.params_active / 1e9:.2f}B active\n"
             f"memory per device: {r.device_weight_bytes / gb:.2f} GB weights (of {r.weight_bytes / gb:.2f} GB), "
@@ -50,7 +54,8 @@ def cost(args) -> int:
             f"binding: {r.binding or 'none'}; headroom: {h['memory_bytes'] / gb:.2f} GB memory per device "
             f"({h['requests']} more requests), {h['rate_tokens_per_second']:.1f} tokens/s per user above the floor\n")
     if len(r.layouts) > 1:
-        tail += "layouts tried (* the best):\n" + format_table(tried)
+        tail += "layouts tried (* the best; unservable: the engines cannot split the model over it):\n" + \
+            format_table(tried)
     if r.infeasible:
         tail += f"infeasible: {r.infeasible}\n"
     emit(args, r.to_json(), head + table + tail)

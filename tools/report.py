@@ -148,6 +148,25 @@ def mtp_plot(values: dict, path: Path) -> None:
     _save(fig, path)
 
 
+def _deployment_row(name: str, p: dict) -> tuple:
+    """One model's predicted serving figures in the layout priced, or why no engine splits it over the pinned one."""
+    if "unservable" in p:
+        return (name, p["layout"], f"unservable: {p['unservable']}", "", "", "", "")
+    return (name, p.get("layout", ""), _fmt(p["weight_gb"]), p["max_batch"], p["max_concurrency"],
+            _fmt(p["decode_step_ms"]), _fmt(p["tokens_per_second"]))
+
+
+def distillation_table(runs: list) -> str:
+    """Per distillation run: the metric its keep-best selected on (before, after, which weights it kept), then
+    the trunk's KL and top-1 agreement, all on the selection set."""
+    return _table(["run", "steps", "selected on", "before", "after", "kept", "KL before", "KL after",
+                   "top-1 before", "top-1 after", "bits/byte after"],
+                  [(i + 1, r["steps"], _selection_name(r), _fmt(r["before"][selected_on(r)]),
+                    _fmt(r["after"][selected_on(r)]), _kept(r), _fmt(r["before"]["kl"]), _fmt(r["after"]["kl"]),
+                    _fmt(r["before"]["top1_agreement"]), _fmt(r["after"]["top1_agreement"]),
+                    _fmt(r["after"]["bits_per_byte"])) for i, r in enumerate(runs)])
+
+
 def _mtp_ratio(quality: dict) -> list[str]:
     """The child's MTP acceptance as a share of the parent's (what the head kept of its speed), and its sample."""
     child, parent = quality["child"].get("mtp_acceptance"), quality["parent"].get("mtp_acceptance")
@@ -160,7 +179,10 @@ def _mtp_ratio(quality: dict) -> list[str]:
 
 def _kept(run: dict) -> str:
     """Which weights the run ended with: keep-best's evaluation, or the last step's."""
-    step = run.get("kept", run["steps"])
+    step = run.get("kept")
+    if step is None:  # reported before `kept` was: keep-best's evaluation when the final figure is its
+        best, metric = run.get("best"), selected_on(run)
+        step = best["step"] if best and best.get(metric) == run["after"].get(metric) else run["steps"]
     return "its start" if step == 0 else f"step {step}"
 
 
@@ -282,20 +304,14 @@ def write_report(out) -> Path:
               "\n## Distillation\n", "![distillation](distillation.png)\n",
               "Distillation's own evaluations, on the held-out `selection` set (they chose the kept weights: "
               "each run on the metric it names; a head-only run on its head's loss, the trunk KL it cannot move).\n",
-              _table(["run", "steps", "selected on", "before", "after", "kept", "KL before", "KL after",
-                      "top-1 before", "top-1 after", "bits/byte after"],
-                     [(i + 1, r["steps"], _selection_name(r), _fmt(r["before"][selected_on(r)]),
-                       _fmt(r["after"][selected_on(r)]), _kept(r), _fmt(r["before"]["kl"]), _fmt(r["after"]["kl"]),
-                       _fmt(r["before"]["top1_agreement"]), _fmt(r["after"]["top1_agreement"]),
-                       _fmt(r["after"]["bits_per_byte"])) for i, r in enumerate(distills)]),
+              distillation_table(distills),
               "\n## MTP acceptance length\n", "![mtp](mtp.png)\n",
               "`mtp-check` in the pipeline (before quantisation), on prompts from the `report` set.\n",
               _table(["", "tokens per step"], [(k, _fmt(v)) for k, v in mtp.items()]),
               "\n## Deployment\n",
-              _table(["", "weights GB", "max batch", "max concurrency", "decode step ms", "serving tokens/s predicted"],
-                     [(name, _fmt(v["predicted"]["weight_gb"]), v["predicted"]["max_batch"],
-                       v["predicted"]["max_concurrency"], _fmt(v["predicted"]["decode_step_ms"]),
-                       _fmt(v["predicted"]["tokens_per_second"])) for name, v in dep.items()]),
+              _table(["", "layout", "weights GB", "max batch", "max concurrency", "decode step ms",
+                      "serving tokens/s predicted"],
+                     [_deployment_row(name, v["predicted"]) for name, v in dep.items()]),
               *([("\nDecode alone, like for like: one decode step at each model's batch and the scenario's mean "
                   "context, measured on this machine and predicted by the cost model for that same step.\n"),
                  _table(["", "batch", "context", "decode tokens/s predicted", "measured", "measured / predicted"],

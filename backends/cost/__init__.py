@@ -10,7 +10,7 @@ precision (bytes per format), provider (the interface), analytic (the GPU roofli
 """
 from ..measured import MeasuredProvider
 from .analytic import KERNELS, AnalyticProvider, Efficiency
-from .layouts import best_layout, cost, layouts_of
+from .layouts import Unservable, best_layout, cost, layouts_of
 from .model import CostModel
 from .precision import BYTES, MATH, precision_of
 from .provider import Deployment, Provider

@@ -4,6 +4,7 @@ Apart from the cost model: it prices one op at one shape; the calibration benchm
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ class Efficiency:
     mamba_memory: float = 0.25  # decode state update: reads and writes the SSM state (set on the calibration set)
     link: float = 0.41  # fraction of the (bidirectional) NVLink bandwidth a collective's bus bandwidth reaches
     launch_seconds: float = 6e-6  # per kernel in a captured graph: launch, ramp and tail (a floor for tiny ops)
+    eager_launch_seconds: float = 12e-6  # per kernel of a decode step run eagerly (no CUDA graphs): host dispatch
     step_overhead_seconds: float = 30e-6  # scheduling, sampling, host work per step
     collective_latency_seconds: float = 6e-6  # per collective (all-reduce, all-to-all) over NVLink
 
@@ -52,6 +54,8 @@ class AnalyticProvider:
 
     def __init__(self, target: Target, efficiency: Efficiency | None = None):
         self.target, self.eff = target, efficiency or Efficiency()
+        self._moe_memo: dict = {}
+        self._expert_memo: dict = {}
 
     def step_overhead(self) -> float:
         return self.eff.step_overhead_seconds
@@ -80,10 +84,13 @@ class AnalyticProvider:
             return self._mtp(op, precisions, routing, batch, tokens, context, decode, d)
         t, e, L = self.target, self.eff, d.layout
         b = L.requests_per_group(batch)
-        w = op.work(b, tokens, context, decode, d.kv_bytes, d.ssm_bytes, d.act_bytes, routing)
-        wbytes = {k: n * BYTES[precisions.get(k, "bf16")] for k, n in w.weights.items()}
+        if op.kind == "moe":
+            w, dense = self._moe_work(op, b * tokens, routing)
+        else:
+            w = op.work(b, tokens, context, decode, d.kv_bytes, d.ssm_bytes, d.act_bytes, routing)
+            dense = [k for k in w.weights if not k.startswith("mixer.experts.")]  # routed experts: `_routed`
+        wbytes = {k: w.weights[k] * BYTES[precisions.get(k, "bf16")] for k in dense}
         flops, seconds = w.flops, 0.0
-        dense = [k for k in wbytes if not k.startswith("mixer.experts.")]
         if op.kind == "moe":
             flops -= b * tokens * op.top_k * 4 * op.expert_width * op.d_ff
             seconds += self._routed(op, precisions, routing, batch * tokens, d)
@@ -98,10 +105,38 @@ class AnalyticProvider:
         nbytes = sum(wbytes[k] / L.shards(op, k) for k in dense) + w.act * d.act_bytes / L.tp
         seconds += self._roof(flops / L.tp, nbytes, _math_precision(precisions, {k: w.weights[k] for k in dense}, t),
                               e.compute, e.memory)
-        seconds += w.kernels * e.launch_seconds
+        seconds += w.kernels * self.launch(decode, d)
         if op.is_block and op.kind != "noop":
             seconds += self.collective_seconds(op, b * tokens, d)
         return seconds
+
+    def launch(self, decode: bool, d: Deployment) -> float:
+        """The floor per kernel: in a captured graph, or (a decode step without CUDA graphs) a host launch each.
+        Prefill keeps the graph floor: its kernels run far longer than a launch, so the floor does not bind."""
+        return self.eff.launch_seconds if d.graphs or not decode else self.eff.eager_launch_seconds
+
+    def _moe_work(self, op, tokens: int, routing):
+        """A MoE's work at `tokens` tokens from its work at one (FLOPs and activations are linear in the tokens;
+        the experts' touched reads are priced apart, in `_routed`): the same numbers, without rebuilding a
+        thousand-entry weight table for every batch a search tries."""
+        key = (op, None if routing is None else tuple(routing))
+        if key not in self._moe_memo:
+            one = op.work(1, 1, 0, True, 0.0, 0.0, 0.0, routing)
+            self._moe_memo[key] = one, [k for k in one.weights if not k.startswith("mixer.experts.")]
+        one, dense = self._moe_memo[key]
+        return dataclasses.replace(one, flops=tokens * one.flops, act=tokens * one.act), dense
+
+    def _expert_bytes(self, op, precisions) -> tuple[list, np.ndarray]:
+        """Each routed expert's parameter names and stored bytes, once per spec and precision table (the cost
+        model shares one table per recipe and layer spec; the entry holds it, so its id is not reused)."""
+        key = (op, id(precisions))
+        hit = self._expert_memo.get(key)
+        if hit is None or hit[0] is not precisions:
+            names = [[f"mixer.experts.{j}.up_proj.weight", f"mixer.experts.{j}.down_proj.weight"]
+                     for j in range(op.experts)]
+            hit = self._expert_memo[key] = (precisions, names, np.array([
+                op.d_ff * op.expert_width * sum(BYTES[precisions.get(k, "bf16")] for k in pair) for pair in names]))
+        return hit[1:]
 
     def _routed(self, op, precisions, routing, tokens: int, d: Deployment) -> float:
         """The routed experts as one grouped GEMM on each device of the replica: the FLOPs split evenly, the
@@ -109,9 +144,7 @@ class AnalyticProvider:
         if not tokens:
             return 0.0
         t, e, L = self.target, self.eff, d.layout
-        names = [[f"mixer.experts.{j}.up_proj.weight", f"mixer.experts.{j}.down_proj.weight"] for j in range(op.experts)]
-        sizes = np.array([op.d_ff * op.expert_width * sum(BYTES[precisions.get(k, "bf16")] for k in pair)
-                          for pair in names])
+        names, sizes = self._expert_bytes(op, precisions)
         p = np.array(op.touched(tokens, routing))
         if L.ep == 1:
             reads = float(p @ sizes) / L.group
@@ -133,7 +166,7 @@ class AnalyticProvider:
         n, h = b * tokens, op.hidden
         fusion = 2 * h * h * BYTES[precisions.get("layers.0.eh_proj.weight", "bf16")] / L.tp + n * 5 * h * d.act_bytes
         out = self._roof(n * (4 * h * h + 12 * h) / L.tp, fusion, _sequence_precision(self.target), e.compute,
-                         e.memory) + 3 * e.launch_seconds
+                         e.memory) + 3 * self.launch(decode, d)
         for i, blk in enumerate(op.blocks):
             sub = {k.split(".", 2)[2]: v for k, v in precisions.items() if k.startswith(f"layers.{i}.")}
             out += self.seconds(blk, sub, None if routing is None else routing.get(i), batch, tokens, context,

@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...errors import PuzzlekitError
+from collections import Counter
+
+from ...errors import PuzzlekitError, UsageError
 from ...ir import Program
-from ..layout import Layout, layouts
+from ..layout import Layout, layouts, split_refusal
 from ..targets import Target, get_target
-from .model import CostModel
+from .model import CostModel, _layout_for
 from .provider import Provider
 from .report import CostReport
 from .scenario import Scenario, get_scenario
+
+
+class Unservable(UsageError):
+    """A pinned layout, or every layout of a target, that the serving engines cannot split the model over."""
 
 
 def layouts_of(target: Target, scenario: Scenario) -> list[Layout]:
@@ -21,23 +27,59 @@ def layouts_of(target: Target, scenario: Scenario) -> list[Layout]:
     return [Layout.parse(scenario.layout)] if scenario.layout else layouts(scenario.gpus or target.devices)
 
 
+def unsplit(prog: Program, layout: Layout, recipes: str = "") -> str:
+    """Every distinct reason the serving engines do not split `prog` over `layout` (`split_refusal`: heads or
+    widths that do not divide), each with the layers it holds, or "" when they split all of it."""
+    why = Counter(r for n in prog.nodes if (r := split_refusal(n.op, layout, recipes)))
+    return ", ".join(f"{r} ({k} layer{'s' * (k > 1)})" for r, k in why.items())
+
+
+def _recipes(prog: Program, scenario: Scenario) -> str:
+    """The precisions the split rule reads: the scenario's recipe and the formats the program is quantized in."""
+    return " ".join([scenario.recipe or "", *sorted({f for n in prog.nodes for _, f in n.op.quant})]).strip()
+
+
 def best_layout(prog: Program, target: Target | str, scenario: Scenario, provider: Provider | None = None,
-                routing: dict | None = None, fits=None) -> tuple[CostModel, CostReport]:
+                routing: dict | None = None, fits=None, engines: bool = False) -> tuple[CostModel, CostReport]:
     """The scenario's pinned layout, or every layout of its GPUs tried (those `fits(layout)` admits, when
     given): the one with the highest throughput meeting the rate floor (ties: the fewest devices per replica),
-    its report listing every layout tried."""
+    its report listing every layout tried.
+
+    With `engines`, the split rule the search keeps to applies here too: a layout the serving engines cannot
+    split the model over is not priced (a figure for it would be no deployment): pinned, it is refused naming
+    what does not divide and the layouts that do; searched, its row in `layouts` says why ("unservable")."""
     target = get_target(target) if isinstance(target, str) else target
     scenario = scenario.check()
-    tried = []
+    recipes = _recipes(prog, scenario)
+    tried, refused, rows = [], [], []  # rows: every layout in order, its report or why no engine splits it
     for layout in layouts_of(target, scenario):
-        if fits is None or fits(layout):
-            cm = CostModel(prog, target, scenario, provider, routing, layout)
-            tried.append((cm, cm.report()))
+        if fits is not None and not fits(layout):
+            continue
+        if scenario.layout:  # a layout of other GPUs than the target's is refused for that first
+            _layout_for(target, scenario, layout)
+        if engines and (why := unsplit(prog, layout, recipes)):
+            refused.append({"layout": str(layout), "unservable": why})
+            rows.append(refused[-1])
+            continue
+        cm = CostModel(prog, target, scenario, provider, routing, layout)
+        tried.append((cm, cm.report()))
+        rows.append(tried[-1][1])
+    if refused and scenario.layout:
+        gpus = Layout.parse(scenario.layout).gpus
+        ok = [str(L) for L in layouts(gpus) if not unsplit(prog, L, recipes)]
+        raise Unservable(f"layout {scenario.layout}: no serving engine splits the model over it: "
+                         f"{refused[0]['unservable']}; pin a layout whose tp divides them"
+                         + (f" (of {gpus} GPUs: {', '.join(ok)})" if ok else "")
+                         + ", or leave the layout out to price the best one the engines split")
+    if refused and not tried:
+        raise Unservable(f"no layout of {scenario.gpus or target.devices} {target.name} GPUs splits the model as the "
+                         "serving engines do: "
+                         + "; ".join(f"{r['layout']}: {r['unservable']}" for r in refused))
     if not tried:
         raise PuzzlekitError(f"no layout of {target.name} admitted for {scenario.name}")
     cm, best = max(tried, key=lambda t: (t[1].throughput_tokens_per_second, t[1].max_concurrency,
                                          -t[0].layout.group))
-    best.layouts = [r.summary() for _, r in tried]
+    best.layouts = [r if isinstance(r, dict) else r.summary() for r in rows]
     return cm, best
 
 

@@ -21,6 +21,10 @@ from .report import CostReport
 from .scenario import Scenario
 
 
+#: (recipe, op, path signature) -> per parameter its precision, shared by the cost models (see `_precisions`)
+_PRECISIONS: dict = {}
+
+
 class CostModel:
     """Prices one program on one target, scenario and parallel layout (`best_layout` tries them all).
 
@@ -42,20 +46,31 @@ class CostModel:
         self.routing = routing if routing is not None else prog.meta.get("routing", {})
         s = self.scenario
         self.act_b, self.kv_b, self.ssm_b = BYTES[s.act_dtype], BYTES[s.kv_dtype], BYTES[s.ssm_dtype]
-        self.deployment = Deployment(self.layout, self.act_b, self.kv_b, self.ssm_b, s.mtp_draft + 1)
+        self.deployment = Deployment(self.layout, self.act_b, self.kv_b, self.ssm_b, s.mtp_draft + 1, s.cuda_graphs)
         self._formats: dict = {}
         self._node_memo: dict = {}
         self._recipe_paths = [r.path for r in get_recipe(scenario.recipe).rules] if scenario.recipe else []
+        self._static_memo: dict = {}  # what a node's figures owe nothing to the batch: priced once per layout
         self.precisions = {n.path: self._precisions(n.path, n.op) for n in prog.nodes}
         self._prec_keys = {path: tuple(p.items()) for path, p in self.precisions.items()}  # hashed once
         self._memo: dict = {}  # identical layers (same spec, precisions, routing) are priced once per shape
         self._activation = None
+        self._device_weight_total = None
 
     def _precisions(self, path: str, op) -> dict:
-        if op.kind == "lm_head" and op.tied:
-            return {"weight": "bf16"}
-        fp32 = op.fp32_params()
-        return {k: "fp32" if k in fp32 else self._format(path, k, op) for k in op.params()}
+        """Per parameter its storage precision; shared by every cost model of the recipe (a 512-expert MoE has a
+        thousand parameters, and a search prices its variants on every layout), keyed by the recipe's path
+        patterns `path` matches: paths that match the same ones get the same precisions."""
+        key = (self.scenario.recipe, op, self._path_signature(path))
+        if key not in _PRECISIONS:
+            if len(_PRECISIONS) > 1 << 16:
+                _PRECISIONS.clear()
+            if op.kind == "lm_head" and op.tied:
+                _PRECISIONS[key] = {"weight": "bf16"}
+            else:
+                fp32 = op.fp32_params()
+                _PRECISIONS[key] = {k: "fp32" if k in fp32 else self._format(path, k, op) for k in op.params()}
+        return _PRECISIONS[key]
 
     def _format(self, path: str, param: str, op) -> str:
         """A parameter's storage precision by the scenario's recipe, looked up once per (path, parameter): the
@@ -108,6 +123,7 @@ class CostModel:
         if self.provider.prepare(list(dict.fromkeys(items))):
             self._memo.clear()
             self._node_memo.clear()
+            self._static_memo.clear()
 
     def node_costs(self, path: str, op, batch: int, context: int | None = None, routing=None) -> dict:
         """What a node with spec `op` at `path` adds to the program's figures: decode step at `batch` (at the
@@ -126,20 +142,29 @@ class CostModel:
         return tuple(fnmatch(path, glob) for glob in self._recipe_paths)
 
     def _node_costs(self, path: str, op, batch: int, context, routing) -> dict:
-        prec = self._precisions(path, op)
-        s = self.scenario
-        key = tuple(prec.items())
-        decode = self._runs(op, prec, routing, self.decode_parts(op, batch, context or s.decode_context), key)
-        prefill = self._runs(op, prec, routing, self.prefill_parts(op), key)
-        resident = self._resident(op)
-        shapes = op.params()
-        return {"decode_seconds": decode, "prefill_seconds": prefill,
-                "serve_seconds": decode + self.prefill_share(batch) * prefill,
+        prec, key, static = self._static(path, op, context, routing)
+        decode = self._runs(op, prec, routing, self.decode_parts(op, batch, context or self.scenario.decode_context),
+                            key)
+        return {"decode_seconds": decode, "prefill_seconds": static["prefill_seconds"],
+                "serve_seconds": decode + self.prefill_share(batch) * static["prefill_seconds"],
+                **{k: v for k, v in static.items() if k != "prefill_seconds"}}
+
+    def _static(self, path: str, op, context, routing) -> tuple[dict, tuple, dict]:
+        """A node's precisions and the figures that do not depend on the batch (prefill, bytes, parameters),
+        once per layout: the search prices every batch it tries."""
+        mkey = (op, context, None if routing is None else tuple(routing), self._path_signature(path))
+        if mkey not in self._static_memo:
+            prec = self._precisions(path, op)
+            key = tuple(prec.items())
+            resident = self._resident(op)
+            self._static_memo[mkey] = (prec, key, {
+                "prefill_seconds": self._runs(op, prec, routing, self.prefill_parts(op), key),
                 "weight_bytes": self._device_weights(op, prec) if resident else 0.0,
-                "state_bytes": self.layout.state_bytes(op, self.kv_b, self.ssm_b, self.act_b, context or s.context_len,
-                                                      self.deployment.ssm_copies)
-                if resident else 0.0,
-                "params": sum(math.prod(sh) for sh in shapes.values()), "active_params": op.active_params()}
+                "state_bytes": self.layout.state_bytes(op, self.kv_b, self.ssm_b, self.act_b,
+                                                       context or self.scenario.context_len,
+                                                       self.deployment.ssm_copies) if resident else 0.0,
+                "params": sum(math.prod(sh) for sh in op.params().values()), "active_params": op.active_params()})
+        return self._static_memo[mkey]
 
     def prefill_share(self, batch: int) -> float:
         """Prefill rounds per decode step in steady state: each user of an attention group finishes a request
@@ -165,8 +190,11 @@ class CostModel:
                    for n in self.prog.nodes if self._resident(n.op) for k, shape in n.op.params().items())
 
     def device_weight_bytes(self) -> float:
-        """The weights one device holds."""
-        return sum(self._device_weights(n.op, self.precisions[n.path]) for n in self.prog.nodes if self._resident(n.op))
+        """The weights one device holds (summed once: a report asks at every batch it tries)."""
+        if self._device_weight_total is None:
+            self._device_weight_total = sum(self._device_weights(n.op, self.precisions[n.path])
+                                            for n in self.prog.nodes if self._resident(n.op))
+        return self._device_weight_total
 
     def _state(self, op, context: int) -> float:
         """One request's state of `op` (all of it; a Mamba layer's SSM copies when drafting)."""
@@ -279,6 +307,7 @@ class CostModel:
             self.provider.store(items, fresh)  # the check's own times, taken with the whole model
         self._memo.clear()
         self._node_memo.clear()
+        self._static_memo.clear()
         return {"decode": {"predicted": pred[0], "measured": measured[0], "ratio": pred[0] / measured[0]},
                 "prefill": {"predicted": pred[1], "measured": measured[1], "ratio": pred[1] / measured[1]},
                 "retimed": retimed}

@@ -19,6 +19,7 @@ class Deployment:
     kv_bytes: float = 2.0
     ssm_bytes: float = 4.0
     ssm_copies: int = 1  # SSM states kept per request: d + 1 with d drafted tokens (one per verified position)
+    graphs: bool = True  # decode replayed from CUDA graphs (the launch floor: Efficiency.launch_seconds)
 
 
 class Provider(Protocol):

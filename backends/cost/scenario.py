@@ -17,6 +17,8 @@ from ...ir.quant.recipe import RECIPES
 from ..layout import Layout
 from .precision import BYTES
 
+#: the Mamba SSM state cache dtypes the engines take: scenario name -> the engines' (and HF config's) name
+SSM_STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SCENARIOS_FILE = Path(__file__).parent.parent / "scenarios.toml"  # package data of puzzlekit.backends
 
 
@@ -29,7 +31,7 @@ class Scenario:
     context: int = 0  # tokens of state per request; 0: input_len + output_len
     concurrency: int = 0  # requests to serve at once; 0: as many as fit
     kv_dtype: str = "bf16"
-    ssm_dtype: str = "fp32"
+    ssm_dtype: str = "fp32"  # the Mamba SSM state cache (engines: mamba_ssm_cache_dtype); fp32, bf16 or fp16
     act_dtype: str = "bf16"
     recipe: str = ""  # weight precisions by recipe name; "": the program's own (bf16 unless quantized)
     gpus: int = 0  # devices used; 0: all of the target's
@@ -39,6 +41,7 @@ class Scenario:
     mtp_resident: bool = False  # the MTP head's weights and state loaded (implied by mtp_draft)
     mtp_draft: int = 0  # tokens the MTP head drafts per step (speculative decoding); 0: plain decoding
     mtp_acceptance: float = 0.0  # mean tokens per step with drafting (accepted drafts + the verified one)
+    cuda_graphs: bool = True  # decode steps replayed from captured CUDA graphs; off: each kernel a host launch
 
     def to_toml(self) -> str:
         """The scenario as a scenario file (one table, its fields), which `get_scenario` reads back."""
@@ -61,6 +64,9 @@ class Scenario:
         for k in ("kv_dtype", "ssm_dtype", "act_dtype"):
             if getattr(self, k) not in BYTES:
                 raise PuzzlekitError(f"scenario {self.name}: {k}={getattr(self, k)!r}; one of {sorted(BYTES)}")
+        if self.ssm_dtype not in SSM_STATE_DTYPES:  # what vLLM, SGLang and TensorRT-LLM keep the SSM state in
+            raise PuzzlekitError(f"scenario {self.name}: ssm_dtype={self.ssm_dtype!r}; the engines keep the Mamba "
+                                 f"state in one of {', '.join(SSM_STATE_DTYPES)}")
         if self.recipe and self.recipe not in RECIPES:
             raise PuzzlekitError(f"scenario {self.name}: unknown recipe {self.recipe!r}; known: {sorted(RECIPES)}")
         if self.input_len < 1 or self.output_len < 0 or self.prefill_chunk < 1:

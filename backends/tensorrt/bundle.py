@@ -348,6 +348,11 @@ def write_bundle(prog: Program, out, target: Target, scenario: Scenario, build: 
         if scenario.layout and str(Layout.parse(scenario.layout)) != layout:
             raise BundleError(f"layout {layout} differs from the one scenario {scenario.name} pins, {scenario.layout}")
         scenario = dataclasses.replace(scenario, layout=layout).check()
+    if ssm_dtype:  # the state dtype served is the one priced
+        from ..cost.scenario import SSM_STATE_DTYPES
+
+        by_engine = {v: k for k, v in SSM_STATE_DTYPES.items()}
+        scenario = dataclasses.replace(scenario, ssm_dtype=by_engine.get(ssm_dtype, ssm_dtype)).check()
     report = cost(prog, target, scenario)
     if report.max_concurrency < 1:
         raise BundleError(f"the model does not fit {target.name} for scenario {scenario.name}: {report.infeasible}")

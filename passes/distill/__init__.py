@@ -34,7 +34,7 @@ from ..core import ComputePass, PassError, Preserved, pipeline_data, register
 # the others look it up (e.g. sharding.shard_model, teacher_store.CHUNK_BYTES)
 from .evaluator import Evaluator, stored_agreement
 from .registries import (CALLBACKS, DATA, LOSSES, OPTIMIZERS, Batch, Outputs, Source, adamw_cosine, cosine_loss,
-                         kl_loss, lm_loss, mtp_loss, register_callback, register_data, register_loss,
+                         kl_loss, lm_loss, mtp_loss, mtp_self_loss, register_callback, register_data, register_loss,
                          register_optimizer, soft_kl, text_source, topk_kl)
 from .run import _capture, _outputs, distill, parse_terms, teacher_program
 from .sharding import SHARDS, checkpoint_blocks, full_state, shard_model
@@ -61,6 +61,7 @@ __all__ = [
            "kl_loss",
            "lm_loss",
            "mtp_loss",
+           "mtp_self_loss",
            "parse_terms",
            "register_callback",
            "register_data",
@@ -92,6 +93,11 @@ class Distill(ComputePass):
     trains from them without a teacher in memory: the KL is then over the teacher's renormalised top-k
     (`topk_kl`; exact at topk = vocabulary), and the cos and mtp terms, which need the live teacher, must be
     set to 0. Neither `shard`, `accumulate` nor `checkpointing` is part of what a resumed run must match.
+
+    `head_only=true` trains the MTP head alone on `mtp` (the teacher's head) and `mtp_self` (the student's own
+    trunk, which verifies the head's drafts: after pruning the teacher's head answers for another trunk), and
+    keeps the weights of least MTP loss on the selection set (`selected_on` in the report: the trunk KL it
+    cannot move would keep its starting weights).
     """
 
     teacher: str = "teacher"
@@ -104,6 +110,7 @@ class Distill(ComputePass):
     cos: float = 1.0
     lm: float = 0.0
     mtp: float = 1.0
+    mtp_self: float = 0.0  # the head against the student's own trunk (`mtp-self`): what drafts are verified by
     temperature: float = 1.0
     loss: list[str] = field(default_factory=list)  # more registered terms: name or name:weight
     source: str = "text"
@@ -116,7 +123,8 @@ class Distill(ComputePass):
     state: str = ""  # a directory for resumable checkpoints ("" : none)
     checkpoint_every: int = 50
     seed: int = 0
-    head_only: bool = False  # train only the MTP head's own weights (after the trunk is final)
+    head_only: bool = False  # train only the MTP head's own weights (after the trunk is final); keeps the
+    # weights of least MTP loss (mtp * mtp_kl + mtp_self * mtp_self_kl) on the selection set, not the trunk KL
     # scaling up: how the student is spread over the torchrun processes (auto: ddp; see below)
     shard: str = "auto"
     checkpointing: bool = False  # recompute each block's activations in the backward (less memory, same numbers)

@@ -28,19 +28,24 @@ def stored_agreement(student, windows: torch.Tensor, values: torch.Tensor, indic
 
 
 class Evaluator:
-    """Every `every` steps: held-out KL and top-1 agreement with the teacher (and the MTP head's KL); keeps
-    the best weights (least `metric`) and calls the user's `on_eval` callbacks. Its state is checkpointed
-    with the run, so a resumed run keeps the same best.
+    """Every `every` steps: held-out KL and top-1 agreement with the teacher (and the MTP head's KL to the
+    teacher's head, `mtp_kl`, and to its own trunk, `mtp_self_kl`); keeps the best weights (least `metric`)
+    and calls the user's `on_eval` callbacks. Its state is checkpointed with the run, so a resumed run keeps
+    the same best.
+
+    `metric` "mtp_loss" is the head-only run's own loss on these windows: the sum of `mtp_weights`
+    (metric name -> weight) times those metrics, so that a run that moves only the head is judged on the head.
 
     `teacher` None: the teacher's stored top-k on the windows (`stored`: values, indices) stand in for it.
     Under FSDP the best weights are the sharded state dict's clones (each process keeps its shards) and go
     into the sharded checkpoint as such."""
 
     def __init__(self, model, teacher, windows: torch.Tensor, every: int, metric: str, users: list,
-                 stored: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 stored: tuple[torch.Tensor, torch.Tensor] | None = None, mtp_weights: dict | None = None):
         self.model, self.teacher, self.windows, self.every, self.metric, self.users = \
             model, teacher, windows, every, metric, users
         self.stored = stored
+        self.mtp_weights = mtp_weights or {}
         self.evals: list[dict] = []
         self.best: dict | None = None
         self.best_weights: dict | None = None
@@ -53,10 +58,19 @@ class Evaluator:
             m = stored_agreement(self.model, self.windows, *self.stored)
         else:
             m = metrics.teacher_agreement(self.teacher, self.model, self.windows)
-            if self.model.program.find("mtp") and self.teacher.program.find("mtp"):  # from position 1, as the loss
-                kl = sum(metrics.kl(self.teacher(ids)[1][:, 1:], self.model(ids)[1][:, 1:]).sum().item()
-                         for ids in self.windows.split(8))
+        if self.model.program.find("mtp"):  # from position 1, as the losses
+            pair = self.teacher is not None and self.teacher.program.find("mtp")
+            kl, own = 0.0, 0.0
+            for ids in self.windows.split(8):
+                logits, mtp = self.model(ids)
+                own += metrics.kl(logits[:, 1:], mtp[:, 1:]).sum().item()  # against the trunk that verifies it
+                if pair:
+                    kl += metrics.kl(self.teacher(ids)[1][:, 1:], mtp[:, 1:]).sum().item()
+            m["mtp_self_kl"] = own / self.windows[:, 1:].numel()
+            if pair:
                 m["mtp_kl"] = kl / self.windows[:, 1:].numel()
+        if self.metric == "mtp_loss":
+            m["mtp_loss"] = sum(w * m[k] for k, w in self.mtp_weights.items())
         self.model.train(was)
         _reshard(self.model, self.teacher)
         return m

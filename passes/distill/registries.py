@@ -1,6 +1,6 @@
 """The distill pass's extension points and their built-ins: the registries of loss terms, data sources,
 optimisers and callbacks with their `register_*` decorators, what a loss term sees (`Batch`, `Outputs`) and
-what a data source gives (`Source`), and the built-in entries (`kl`, `cos`, `lm`, `mtp`; `text`;
+what a data source gives (`Source`), and the built-in entries (`kl`, `cos`, `lm`, `mtp`, `mtp-self`; `text`;
 `adamw-cosine`), registered when this module is imported. Kept apart from the run so that a plugin
 extends the registries without the training machinery. (`Distill` in annotations is the pass,
 `passes.distill.Distill`: not imported, since the package imports this module.)"""
@@ -124,6 +124,17 @@ def mtp_loss(b: Batch) -> torch.Tensor:
         who = "student" if b.student.mtp is None else "teacher"
         raise PassError(f"the mtp loss needs an MTP head on both models, and the {who} has none; set mtp=0")
     return soft_kl(b.teacher.mtp[:, 1:], b.student.mtp[:, 1:], b.temperature)
+
+
+@register_loss("mtp-self")
+def mtp_self_loss(b: Batch) -> torch.Tensor:
+    """KL of the student's MTP-head distribution at t from its own trunk's next-token distribution at t (held
+    fixed). A draft is accepted when it matches the trunk it is attached to, not the teacher's: after pruning,
+    the teacher's head answers for another trunk (self-distillation, as speculative draft heads are trained).
+    From position 1, as `mtp`."""
+    if b.student.mtp is None:
+        raise PassError("the mtp-self loss needs an MTP head on the student, and it has none; set mtp_self=0")
+    return soft_kl(b.student.logits[:, 1:].detach(), b.student.mtp[:, 1:], b.temperature)
 
 
 # -- built-in data, optimiser ---------------------------------------------------------------------------------------

@@ -24,6 +24,10 @@ from .registries import CALLBACKS, DATA, LOSSES, OPTIMIZERS, Batch, Outputs
 from .sharding import _build, _fsdp_available, _reshard, full_state
 from .teacher_store import TeacherStore
 
+#: the head's loss terms and the held-out metric each is (Evaluator.measure): a head-only run selects on them
+HEAD_METRICS = {"mtp": "mtp_kl", "mtp-self": "mtp_self_kl"}
+
+
 # -- the run ---------------------------------------------------------------------------------------------------------
 def _capture(model) -> tuple[list, Callable]:
     """Hooks that record every block's output on each forward; returns (the list, the undo function)."""
@@ -43,6 +47,7 @@ def _outputs(net, seen: list, x: torch.Tensor) -> Outputs:
 def parse_terms(d: Distill) -> dict[str, float]:
     """The loss weights: the built-in options, then `loss=[name:weight,...]`; unknown names are refused."""
     weights = {"mtp": d.mtp} if d.head_only else {"kl": d.kl, "cos": d.cos, "lm": d.lm, "mtp": d.mtp}
+    weights["mtp-self"] = d.mtp_self
     for item in d.loss:
         name, _, w = item.partition(":")
         try:
@@ -171,16 +176,22 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
             loss = loss * share
         return loss, {n: v.item() * share for n, v in parts.items()}
 
-    metric = "mtp_kl" if d.head_only else "kl"
+    # a head-only run moves nothing the trunk KL sees: it keeps the weights of least loss of its own head terms
+    metric = "mtp_loss" if d.head_only else "kl"
+    mtp_weights = {HEAD_METRICS[n]: w for n, w in terms.items() if n in HEAD_METRICS}
+    if d.head_only and not mtp_weights:  # only registered terms: the head against its own trunk
+        mtp_weights = {"mtp_self_kl": 1.0}
     stored_eval = None
     if store is not None:
         *stored_eval, teacher_bpb = store.held_out()
-    ev = Evaluator(student, teacher, source.held_out, d.eval_every, metric, users, stored_eval)
+    ev = Evaluator(student, teacher, source.held_out, d.eval_every, metric, users, stored_eval, mtp_weights)
     identity = {**d.options(), "callbacks": list(d.callbacks), "student": program_hash(prog),
                 "teacher": teacher_hash}  # not the process count: the global batch is the same
     identity["teacher_logits"] = bool(d.teacher_logits)  # what it holds is checked by its meta.json, not where
     if not d.teacher_logits:
         identity.pop("topk")
+    if not d.mtp_self:  # added later: a run without it resumes from a state written before
+        identity.pop("mtp_self")
     # none of these changes what is trained (the same global batch, the same numbers): a run may resume
     # elsewhere, on another number of devices, with more micro-batches or recomputed activations
     for option in ("eval_windows", "device", "shard", "accumulate", "checkpointing"):
@@ -206,10 +217,10 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
                           scaler=compute.grad_scaler(sharded=mesh is not None))
         finally:
             s_undo(), t_undo()
-        after = ev.measure()
+        after, kept = ev.measure(), run.step
         if d.keep_best and ev.best is not None and ev.best[metric] < after[metric]:
             student.load_state_dict(ev.best_weights)
-            after = ev.measure()
+            after, kept = ev.measure(), ev.best["step"]
         for name, t in full_state(student):  # whole tensors on every process: later passes run on each
             prog.weights.set(name, t.detach().clone().to("cpu", prog.weights.dtype(name)))
             prog.weights.spill_over(compute.budget // 4)  # past the budget, to scratch files as they come
@@ -218,5 +229,6 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
             teacher_bpb = metrics.bits_per_byte(teacher, source.held_out, token_bytes=source.token_bytes)
         _reshard(student, teacher)
     return {"steps": run.step, "resumed_from": run.resumed_from, "stopped": run.stopped, "terms": terms,
+            "selected_on": metric, "mtp_weights": mtp_weights if d.head_only else {}, "kept": kept,
             "before": before, "after": after, "teacher_bits_per_byte": teacher_bpb, "shard": shard,
             "evals": ev.evals, "best": ev.best, "log": run.log, "seconds": round(run.seconds, 2)}

@@ -152,11 +152,16 @@ class Search:
                              uniform=self.uniform)
         return pr
 
-    def _rows(self, t: int, span: tuple, c: Constraints) -> dict:
-        """One target's rows over its span (layout index, b1, b2)."""
+    def _rows(self, t: int, span: tuple, c: Constraints, only=None) -> dict:
+        """One target's rows over its span (layout index, b1, b2); with `only` (option indices), their costs
+        for those options alone, in that order (what checking one choice needs)."""
+        costs, unsplit, rows = self.costs, self._unsplit, self.rows
+        if only is not None:
+            costs = lambda cm, b: price(cm, b, self.parent, self.lib, self.rows, self.specs, self.parents, only)  # noqa: E731
+            unsplit, rows = (lambda L: self._unsplit(L)[only]), [self.rows[i] for i in only]
         return target_rows(self.models[t][span[0]], span, c, first=t == 0, multi=len(self.models) > 1,
-                           base=self.base[t] if self.base else None, costs=self.costs, unsplit=self._unsplit,
-                           rows=self.rows, move=self._move)
+                           base=self.base[t] if self.base else None, costs=costs, unsplit=unsplit,
+                           rows=rows, move=self._move)
 
     #: the largest decode batch per replica tried (search_batches.py)
     MAX_BATCH = MAX_BATCH
@@ -228,9 +233,11 @@ class Search:
             exact = pr if pr.exact else admitting(self.models, sols[0].choice, spans, self._rows, self.c, self.problem)
             if exact is not None:
                 best = (sols, exact)
-            else:
-                for half in split(self.models, spans):
-                    heapq.heappush(heap, (sols[0].objective, next(order), half))
+            else:  # each half keyed by its own relaxation's bound (at least its parent's): a half that cannot
+                for half in split(self.models, spans):  # beat the best found is dropped before any MIP
+                    low = lower_bound(self.problem(half).problem)
+                    if low is not None:
+                        heapq.heappush(heap, (max(sols[0].objective, low), next(order), half))
         if best is None:
             near = None if None in self.nearest else tuple((li, b, b) for li, b, _ in self.nearest)
             if not (failed and isinstance(failed[0], Infeasible) and failed[1].exact) and near:  # one batch's

@@ -104,12 +104,13 @@ def admitting(models: list, choice, spans, rows, c: Constraints, problem) -> Pri
     (its rows concern its batch alone): the smallest batch whose throughput row holds, found by bisection
     (the budget grows faster with the batch than the choice's serving step); the rate floor and memory
     only tighten with the batch, so if they fail there they fail at every batch that meets throughput.
-    `rows(t, span, c)` gives a target's rows, `problem(spans)` the exact problem."""
-    exact = []
+    `rows(t, span, c, only)` gives a target's rows (for the options `only` alone), `problem(spans)` the exact
+    problem. Only the chosen options are priced at the batches tried."""
+    exact, mine = [], np.arange(len(choice))
     for t, (li, b1, b2) in enumerate(spans):
         step, holds = models[t][li].layout.dp, lambda b, key=None: all(  # noqa: E731
-            _total(r, choice) <= r.bound - r.fixed + 1e-9 * abs(r.bound)
-            for k, r in rows(t, (li, b, b), c).items() if key is None or k.startswith(key))
+            _total(r, mine) <= r.bound - r.fixed + 1e-9 * abs(r.bound)
+            for k, r in rows(t, (li, b, b), c, choice).items() if key is None or k.startswith(key))
         lo, hi = b1 // step, b2 // step
         if not holds(hi * step, "serve_seconds"):
             return None

@@ -18,9 +18,12 @@ MOVED = ("latency_seconds", "prefill_seconds", "params", "active_params")
 
 
 def price(cm: CostModel, batch: int, prog, lib, rows: list[dict], specs: list,
-          parents: dict) -> tuple[dict, dict, dict]:
-    """Per-option costs (`rows` with their `specs`), the fixed part outside the blocks of the parent `prog` and
-    its blocks' total (`parents`: per layer its row), for one target and layout at one batch per replica."""
+          parents: dict, only=None) -> tuple[dict, dict, dict]:
+    """Per-option costs (`rows` with their `specs`; those indexed by `only` alone when given), the fixed part
+    outside the blocks of the parent `prog` and its blocks' total (`parents`: per layer its row), for one
+    target and layout at one batch per replica."""
+    if only is not None:  # a choice's options: its totals at this batch, no more priced
+        rows, specs = [rows[i] for i in only], [specs[i] for i in only]
     blocks = {n.path for n in prog.blocks()}
     cm.prepare([n.op for n in prog.nodes] + specs + [lib.spec(r) for r in parents.values()], batch)
     fixed = {"decode_seconds": cm.step_overhead(), "prefill_seconds": cm.step_overhead(),
@@ -30,12 +33,29 @@ def price(cm: CostModel, batch: int, prog, lib, rows: list[dict], specs: list,
             for k, v in cm.node_costs(n.path, n.op, batch, None, cm.routing.get(n.path)).items():
                 if not (n.op.kind == "mtp" and "params" in k):  # parameter counts leave the MTP head out
                     fixed[k] = fixed.get(k, 0.0) + v
-    per = [cm.node_costs(r["path"], spec, batch, None, cm.routing.get(r["path"]) if r["id"] == "parent" else None)
-           for r, spec in zip(rows, specs)]
+    first, inverse = groups(cm, rows, specs) if only is None else (range(len(rows)), np.arange(len(rows)))
+    per = [cm.node_costs(rows[i]["path"], specs[i], batch, None,
+                         cm.routing.get(rows[i]["path"]) if rows[i]["id"] == "parent" else None) for i in first]
     parent = [cm.node_costs(r["path"], lib.spec(r), batch, None, cm.routing.get(r["path"]))
               for r in parents.values()]
-    return ({k: np.array([p[k] for p in per]) for k in per[0]}, fixed,
+    return ({k: np.array([p[k] for p in per])[inverse] for k in per[0]}, fixed,
             {k: float(sum(p[k] for p in parent)) for k in per[0]})
+
+
+def groups(cm: CostModel, rows: list[dict], specs: list) -> tuple[list[int], np.ndarray]:
+    """The options that price alike on `cm` (same spec, routing and recipe paths: the cost model's own memo
+    key), once per cost model: the first of each group and each option's group. The same variant in 40 layers
+    is then priced, and looked up, once per batch."""
+    memo = cm.__dict__.setdefault("_search_groups", {})
+    if id(rows) not in memo:
+        index: dict = {}
+        inverse = [index.setdefault((spec, r["path"] if r["id"] == "parent" and cm.routing.get(r["path"]) else None,
+                                     cm._path_signature(r["path"])), i)
+                   for i, (r, spec) in enumerate(zip(rows, specs))]
+        first = list(dict.fromkeys(inverse))
+        position = {i: k for k, i in enumerate(first)}
+        memo[id(rows)] = (rows, first, np.array([position[i] for i in inverse]))
+    return memo[id(rows)][1:]
 
 
 def target_rows(cm: CostModel, span: tuple, c: Constraints, *, first: bool, multi: bool, base, costs, unsplit,
