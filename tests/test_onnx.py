@@ -24,9 +24,19 @@ def every_kind_program():
     return random_weights(prog, seed=2, std=0.2)
 
 
-@pytest.fixture(scope="module", params=["default", "every-kind"])
+def repeated_program():
+    """Every kind of layer twice (the export traces one of each and copies it), a tied LM head, an MTP head."""
+    h = 32
+    blocks = [Mamba2(h, 4, 8, 8, 2, chunk=4), MoE(h, 4, 2, 16, 16, latent=16, scaling=2.0), Attention(h, 4, 2, 8),
+              MLP(h, 48), Noop(h), Linear(h)] * 2
+    mtp = MTP(h, (Attention(h, 4, 2, 8), MoE(h, 4, 2, 16, 16)))
+    prog = ir.assemble(Embed(64, h), blocks, Norm(h), LMHead(64, h, tied=True), mtp, meta={"dtype": "float32"})
+    return random_weights(prog, seed=3, std=0.2)
+
+
+@pytest.fixture(scope="module", params=["default", "every-kind", "repeated"])
 def exported(request, tmp_path_factory):
-    prog = load_default() if request.param == "default" else every_kind_program()
+    prog = {"default": load_default, "every-kind": every_kind_program, "repeated": repeated_program}[request.param]()
     out = tmp_path_factory.mktemp("onnx") / request.param
     report = export_onnx(prog, out, target="cpu")
     return prog, out, report
@@ -222,3 +232,89 @@ def test_cli_export_and_generate(tmp_path, capsys, monkeypatch):
     stamp = cached[0].stat().st_mtime_ns
     assert main(["generate", "--prompt", "def ", "--max-new-tokens", "4", "--backend", "onnx"]) == 0
     assert cached[0].stat().st_mtime_ns == stamp  # the second call reuses the export
+
+
+# -- the export's work grows linearly with layers and experts (issue: 65 s for the built-in model; 88 layers of
+#    512 experts would have taken hours) ----------------------------------------------------------------------
+def _slices_model(k: int) -> onnx.ModelProto:
+    """k Slices of one input, summed: the shape that made onnxscript's Slices-to-Split pattern quadratic."""
+    inits = [helper.make_tensor("axes", TensorProto.INT64, [1], [1])]
+    nodes = []
+    for i in range(k):
+        inits += [helper.make_tensor(f"s{i}", TensorProto.INT64, [1], [i]),
+                  helper.make_tensor(f"e{i}", TensorProto.INT64, [1], [i + 1])]
+        nodes.append(helper.make_node("Slice", ["x", f"s{i}", f"e{i}", "axes"], [f"y{i}"]))
+    nodes += [helper.make_node("Add", [f"a{i - 1}" if i > 1 else "y0", f"y{i}"], [f"a{i}"]) for i in range(1, k)]
+    return _model(nodes, [_vi("x", shape=("n", k))], [_vi(f"a{k - 1}", shape=("n", 1))], inits=inits)
+
+
+def test_the_export_optimizer_work_grows_linearly_with_the_graph(monkeypatch):
+    """The default rule set's multi-output pattern listed the whole graph again for every Slice: node visits
+    grew with the square of the graph (x3.8 for twice the Slices)."""
+    ll = pytest.importorskip("onnx_ir._linked_list")
+    from puzzlekit.backends.onnx.export import _optimize
+
+    visits = [0]
+    every = ll.DoublyLinkedSet.__iter__
+
+    def counted(self):
+        for x in every(self):
+            visits[0] += 1
+            yield x
+    monkeypatch.setattr(ll.DoublyLinkedSet, "__iter__", counted)
+    seen = []
+    for k in (50, 100):
+        visits[0] = 0
+        _optimize(_slices_model(k))
+        seen.append(visits[0])
+    assert seen[1] < 2.5 * seen[0], seen
+
+
+def test_each_distinct_layer_is_traced_once_and_the_graph_stitched_from_copies(tmp_path, monkeypatch):
+    """Layers with the same spec make the same graph: the default model's 12 layers (5 Mamba, 5 MoE, 2 attention,
+    1 MLP of 4 specs) are traced as 4, besides the embedding, norm, head and MTP head; each copy keeps its own
+    weights under the names a whole-program export gives them, and the graphs compute what torch does."""
+    import puzzlekit.backends.onnx.export as export
+
+    traced, stitched = [], []
+    real_export, real_optimize = export._export, export._optimize
+    monkeypatch.setattr(export, "_export", lambda module, *a: traced.append(module) or real_export(module, *a))
+    monkeypatch.setattr(export, "_optimize", lambda model: stitched.append(model) or real_optimize(model))
+    prog = load_default()
+    export_onnx(prog, tmp_path / "o")
+    assert [len(m.reps) for m in traced] == [8, 8], [type(m).__name__ for m in traced]
+    weights = materialize(prog).state_dict()
+    for model in stitched:
+        inits = {i.name: i for i in model.graph.initializer if i.name.startswith("m.")}
+        assert set(inits) == {f"m.{k}" for k in weights}
+        for k in ("backbone.layers.2.mixer.in_proj.weight", "backbone.layers.11.mixer.experts.3.down_proj.weight"):
+            assert np.array_equal(onnx.numpy_helper.to_array(inits[f"m.{k}"]), weights[k].numpy())
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in stitched[1].graph.output}
+    assert dims["present.backbone.layers.10.k"] == ["batch", 2, "past_sequence + 1", 32]
+
+
+def test_weight_quantized_layers_traced_once_are_lowered_with_their_own_weights(tmp_path):
+    """The stitched graph names each layer's weights as the whole-program export does, so the quantized lowering
+    finds every layer's own FP4 values and scales."""
+    prog = load_default()
+    PassManager("quantize{recipe=nvfp4-weight,samples=1,seq=16}").run(prog)
+    export_onnx(prog, tmp_path / "b200", target="b200")
+    inits = {i.name: i for i in onnx.load(str(tmp_path / "b200" / PREFILL)).graph.initializer}
+    for layer in (0, 2, 5, 7, 9):
+        q = prog.weights.get(f"backbone.layers.{layer}.mixer.in_proj.weight")
+        assert inits[f"m.backbone.layers.{layer}.mixer.in_proj.weight.q"].raw_data == q.data.numpy().tobytes()
+
+
+def test_each_routed_expert_adds_only_its_own_work_to_the_exported_graph():
+    """Prefill mixes the experts' outputs in one batched product: per expert its two projections and squared
+    ReLU (4 nodes), not a Slice, Mul and Add more (8 nodes; the export of hundreds of experts took minutes)."""
+    from puzzlekit.ir.ops.base import use_export_form
+
+    def nodes(experts: int) -> int:
+        block = torch.export.export(use_export_form(MoE(16, experts, 2, 8, 8, latent=8).build()),
+                                    (torch.randn(2, 3, 16),), strict=False,
+                                    dynamic_shapes=({0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC},))
+        return sum(n.op == "call_function" for n in block.graph.nodes)
+
+    assert nodes(8) - nodes(4) == 4 * 4

@@ -23,6 +23,7 @@ from ...errors import PuzzlekitError
 from ...ir import Program, print_program
 from ...outputs import check_output, staged_dir
 from ..torch import ProgramModule, materialize
+from . import pieces
 
 PREFILL, DECODE = "prefill.onnx", "decode.onnx"
 
@@ -100,7 +101,7 @@ def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, 
     from .trt_ops import nvfp4_qdq_op, onnxscript_lowering, type_outputs
 
     qdq = nvfp4_qdq_op()
-    with _quiet(), nvfp4_activations_as(qdq):
+    with _quiet(), nvfp4_activations_as(qdq), _uncached_fake_tensors():
         try:
             program = torch.onnx.export(module, args, input_names=input_names, output_names=output_names,
                                         dynamic_shapes=dynamic, dynamo=True, opset_version=opset, verbose=False,
@@ -113,12 +114,46 @@ def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, 
     return model
 
 
+@contextmanager
+def _uncached_fake_tensors():
+    """torch.export without its fake-tensor dispatch cache: under dynamic shapes a cache hit rebuilds the output's
+    symbolic sizes and strides, which costs more than running the op's meta function again (capture ~20%
+    faster). The graph is the same."""
+    config = torch._dynamo.config
+    if not hasattr(config, "fake_tensor_cache_enabled"):
+        yield
+        return
+    with config.patch(fake_tensor_cache_enabled=False):
+        yield
+
+
+@contextmanager
+def _linear_rewrites():
+    """onnxscript's default rewrite rules less those whose pattern has several output nodes (SlicesSplit: Slices
+    of one input into a Split). Their matcher lists the whole graph again for every candidate node, so their
+    time grows with the square of the graph: most of the optimizer's time on the built-in model (whose graphs
+    come out identical without them), and hours for 88 layers of hundreds of experts."""
+    from onnxscript import rewriter
+
+    rules = getattr(rewriter, "_DEFAULT_REWRITE_RULES", None)
+    if rules is None:
+        yield
+        return
+    rewriter._DEFAULT_REWRITE_RULES = tuple(
+        r for r in rules if getattr(getattr(r, "_target_pattern", None), "has_single_output_node", True))
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = rules
+
+
 def _optimize(model: onnx.ModelProto) -> onnx.ModelProto:
     """onnxscript's optimizer (constant folding, Split instead of sequences), after the quantized lowering
     so that weights keep their names until then; large constants such as dequantized weights stay unfolded."""
     import onnxscript.optimizer
 
-    return onnxscript.optimizer.optimize(model, input_size_limit=1)  # fold shape arithmetic, never weights
+    with _linear_rewrites():
+        return onnxscript.optimizer.optimize(model, input_size_limit=1)  # fold shape arithmetic, never weights
 
 
 def _save(model: onnx.ModelProto, path: Path, threshold: int = 1024) -> None:
@@ -136,6 +171,29 @@ def _save(model: onnx.ModelProto, path: Path, threshold: int = 1024) -> None:
                 for k, v in (("location", data.name), ("offset", str(offset)), ("length", str(f.tell() - offset))):
                     t.external_data.add(key=k, value=v)
     onnx.save_model(model, str(path))
+
+
+def _by_pieces(prog: Program, module: ProgramModule, ids, opset: int) -> dict | None:
+    """Both graphs with each distinct layer traced once (see pieces.py), or None where they cannot be
+    stitched (the program is then traced whole)."""
+    from torch.fx.experimental import _config as shapes
+
+    def export(m, args, names, outputs, dynamic):
+        # no duck shaping: an axis of one piece's input is no other piece's symbol (nor read from its inputs)
+        with shapes.patch(use_duck_shape=False):
+            return _export(m, args, names, outputs, dynamic, opset)
+
+    inputs, (_, past) = pieces.node_inputs(module, ids, None, False)
+    graphs = {}
+    try:
+        for name, step, decode in ((PREFILL, ids, False), (DECODE, ids[:, :1].clone(), True)):
+            if decode:
+                inputs, _ = pieces.node_inputs(module, step, past, True)
+            traced, layout = pieces.trace(module, inputs, decode, export)
+            graphs[name] = pieces.stitch(traced, layout, module, prog, decode)
+    except pieces.Unstitchable:
+        return None
+    return graphs
 
 
 def export_onnx(prog: Program, out, target="cpu", opset: int = 23, overwrite: bool = False,
@@ -159,16 +217,18 @@ def export_onnx(prog: Program, out, target="cpu", opset: int = 23, overwrite: bo
             "puzzlekit.outputs": json.dumps(outs), "puzzlekit.provenance": json.dumps(provenance or {})}
     D = torch.export.Dim.DYNAMIC
     ids = torch.randint(0, 2, (2, 7))
-    with torch.no_grad():
-        _, past = module.prefill(ids)
-    graphs = {
-        PREFILL: _export(_Prefill(module), (ids,), ["input_ids"], outs + [f"present.{s}" for s in states],
-                         ({0: D, 1: D},), opset),
-        DECODE: _export(_Decode(module), (ids[:, :1].clone(), *past), ["input_ids"] + [f"past.{s}" for s in states],
-                        outs + [f"present.{s}" for s in states],
-                        ({0: D}, tuple({0: D, 2: D} if _is_kv(s) else {0: D} for s in states)) if states
-                        else ({0: D},), opset),
-    }
+    graphs = _by_pieces(prog, module, ids, opset) if pieces.applies(prog, module) else None
+    if graphs is None:  # the whole program traced at once
+        with torch.no_grad():
+            _, past = module.prefill(ids)
+        graphs = {
+            PREFILL: _export(_Prefill(module), (ids,), ["input_ids"], outs + [f"present.{s}" for s in states],
+                             ({0: D, 1: D},), opset),
+            DECODE: _export(_Decode(module), (ids[:, :1].clone(), *past),
+                            ["input_ids"] + [f"past.{s}" for s in states], outs + [f"present.{s}" for s in states],
+                            ({0: D}, tuple({0: D, 2: D} if _is_kv(s) else {0: D} for s in states)) if states
+                            else ({0: D},), opset),
+        }
     _name_dims(graphs[PREFILL], {("input_ids", 0): "batch", ("input_ids", 1): "sequence"})
     _name_dims(graphs[DECODE], {("input_ids", 0): "batch", **{(f"past.{s}", 0): "batch" for s in states},
                                 **{(f"past.{s}", 2): "past_sequence" for s in states if _is_kv(s)}})

@@ -277,8 +277,11 @@ class MoEMixer(nn.Module):
             a = self._act("down", relu2(torch.einsum("nw,nkfw->nkf", h, up[chosen])))
             return torch.einsum("nkf,nkwf,nk->nw", a, down[chosen], w.to(h.dtype))
         mix = torch.zeros(h.shape[0], s.experts, dtype=h.dtype, device=h.device).scatter(1, chosen, w.to(h.dtype))
-        a = [self._act("down", relu2(e.up_proj(h))) for e in self.experts]  # E x [n, d_ff]
-        return sum(e.down_proj(a_e) * mix[:, i:i + 1] for i, (e, a_e) in enumerate(zip(self.experts, a)))
+        # each expert's output side by side, mixed by one batched product: four graph nodes per expert (its two
+        # projections and squared ReLU), not a slice, multiply and add more, which made the export of hundreds
+        # of experts slow (and the optimizer's Slice pattern quadratic)
+        y = torch.cat([e.down_proj(self._act("down", relu2(e.up_proj(h)))) for e in self.experts], -1)
+        return torch.bmm(mix[:, None], y.reshape(h.shape[0], s.experts, -1))[:, 0]
 
     def forward(self, x, decode: bool = False):
         s = self.spec
