@@ -232,3 +232,22 @@ def test_a_library_without_scores_is_refused_outside_the_prior(tmp_path, meta_li
 
     with pytest.raises(Exception, match="no 'kl' score"):
         Search(Library.open(d, parent), parent, [("h100", "chat")], constraints=Constraints(speedup=2))
+
+
+def test_a_sweep_plans_each_speedup_as_a_plan_of_its_own_does(meta_lib, tmp_path, capsys):
+    """`plan --sweep` keeps one search and its prices across the points: each point's objective, parameters and
+    layout equal a separate `plan --speedup X`; an unreachable point is reported infeasible, not fatal."""
+    _, lib = meta_lib
+    base = ["plan", str(lib.path), "--target", "h100", "--scenario", "chat", "--json"]
+    assert main(base + ["--sweep", "1.1,1.3,40", "--report", str(tmp_path / "sweep.png")]) == 0
+    rows = json.loads(capsys.readouterr().out)["sweep"]
+    assert [r["speedup"] for r in rows] == [1.1, 1.3, 40] and [r["feasible"] for r in rows] == [True, True, False]
+    for r in rows[:2]:
+        assert main(base + ["--speedup", str(r["speedup"])]) == 0
+        alone = json.loads(capsys.readouterr().out)
+        assert r["objective"] == pytest.approx(alone["objective"], rel=1e-9, abs=1e-12)
+        assert (r["params"], r["layout"]) == (alone["params_total"], alone["layout"])
+        assert r["throughput_ratio"] >= r["speedup"] * (1 - 1e-9)
+    assert rows[0]["objective"] <= rows[1]["objective"]  # a harder target costs at least as much score
+    assert (tmp_path / "sweep.png").stat().st_size > 1000
+    assert main(base + ["--sweep", "2:1:0.1"]) == 2 and "--sweep" in capsys.readouterr().err

@@ -94,7 +94,11 @@ def run_plan(args) -> int:
     scenarios = [scenario_of(args, parent, s) for s in scenarios]
     targets = list(zip(args.target, scenarios * len(args.target) if len(scenarios) == 1 else scenarios))
     warn_unrunnable_recipe(args.recipe, args.target)
+    if args.sweep:  # the sweep's speedups are its constraint
+        args.speedup = sweep_points(args.sweep)[0]
     c = constraints_of(args)
+    if args.sweep:
+        return _sweep(args, lib, parent, targets, c)
     search = Search(lib, parent, targets, args.recipe or "", args.metric, c, engine=args.engine)
     plan = search.plan(args.method, args.alternatives, args.min_distance,
                        alternatives_seconds=args.alternatives_seconds)
@@ -175,5 +179,79 @@ def add_plan_parser(sub, positive_int, positive_float):
     p.add_argument("--output", "-o", help="write the child checkpoint here")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--extended", action="store_true", help=EXTENDED_HELP)
+    p.add_argument("--sweep", metavar="LO:HI:STEP|X,Y,...", help="what-if: plan at each speedup of a range or list "
+                                                               "(one table; prices shared across the points)")
+    p.add_argument("--report", metavar="FILE.png", help="--sweep: plot score, parameters and throughput per point")
     p.set_defaults(run=run_plan)
     return p
+
+
+def sweep_points(text: str) -> list[float]:
+    """`1.2:2.0:0.2` (both ends included) or `1.2,1.5,2`: the speedups a sweep plans at, each > 0."""
+    from ..errors import UsageError
+
+    try:
+        if ":" in text:
+            lo, hi, step = (float(x) for x in text.split(":"))
+            n = int(round((hi - lo) / step)) if step > 0 else -1
+            points = [round(lo + i * step, 9) for i in range(n + 1)]
+        else:
+            points = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        points = []
+    if not points or min(points) <= 0 or len(points) > 100:
+        raise UsageError(f"--sweep {text!r}: give LO:HI:STEP (HI >= LO, STEP > 0) or a comma list of speedups > 0, "
+                         "at most 100 points, e.g. --sweep 1.2:2.0:0.2")
+    return points
+
+
+def _sweep(args, lib, parent, targets, c) -> int:
+    """One Search, its prices kept, planned at each speedup: a table (and a plot) of what each target costs."""
+    import dataclasses
+
+    from ..ir.printer import format_table
+    from ..passes.puzzle.search import Search
+    from ..passes.puzzle.search_types import PlanError
+    from .common import emit
+
+    points = sweep_points(args.sweep)
+    search = Search(lib, parent, targets, args.recipe or "", args.metric, dataclasses.replace(c, speedup=points[0]),
+                    engine=args.engine)
+    rows = []
+    for x in points:
+        search.c = dataclasses.replace(search.c, speedup=x)
+        try:
+            plan = search.plan(args.method)
+        except PlanError as e:
+            rows.append({"speedup": x, "feasible": False, "why": str(e).splitlines()[0]})
+            continue
+        rows.append({"speedup": x, "feasible": True, "objective": plan.objective, "params": plan.params_total,
+                     "active": plan.params_active, "throughput_ratio": search.throughput_ratio(plan),
+                     "layout": plan.layout, "batch": plan.batch, "status": plan.status})
+    table = [("speedup", "score", "params", "active", "throughput / parent", "layout", "batch")] + [
+        (f"{r['speedup']:g}", f"{r['objective']:.6g}", f"{r['params']:,}", f"{r['active']:,}",
+         f"{r['throughput_ratio']:.3f}", r["layout"], str(r["batch"])) if r["feasible"] else
+        (f"{r['speedup']:g}", "infeasible", "-", "-", "-", "-", "-") for r in rows]
+    if args.report:
+        _sweep_plot([r for r in rows if r["feasible"]], args.report)
+    emit(args, {"sweep": rows}, format_table(table) + (f"wrote {args.report}\n" if args.report else ""))
+    return 0
+
+
+def _sweep_plot(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+    xs = [r["speedup"] for r in rows]
+    ax[0].plot(xs, [r["objective"] for r in rows], "o-")
+    ax[0].set(xlabel="speedup asked", ylabel="summed score (lower is better)")
+    ax[1].plot(xs, [r["params"] / 1e9 for r in rows], "o-", label="params (B)")
+    ax[1].plot(xs, [r["throughput_ratio"] for r in rows], "s--", label="throughput / parent")
+    ax[1].set(xlabel="speedup asked")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
