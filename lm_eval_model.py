@@ -130,11 +130,11 @@ class PuzzlekitLM(TemplateLM):
             ids = torch.zeros(len(chunk), width, dtype=torch.long)
             for r, i in enumerate(chunk):
                 ids[r, :len(rows[i][0])] = torch.tensor(rows[i][0])
-            logp = F.log_softmax(_logits(self.model(ids.to(self.device))).float(), dim=-1).cpu()
-            for r, i in enumerate(chunk):
+            logits = _logits(self.model(ids.to(self.device)))
+            for r, i in enumerate(chunk):  # float32 over the continuation only: [k, vocab], not [batch, T, 131k]
                 n, k = len(rows[i][0]), rows[i][1]
                 target = torch.tensor((list(requests[i][1]) + list(requests[i][2]))[-k:])
-                lp = logp[r, n - k:n]
+                lp = F.log_softmax(logits[r, n - k:n].float(), dim=-1).cpu()
                 out[i] = (float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))
         for req, ans in zip(requests, out):
             if req[0] is not None:
