@@ -38,6 +38,13 @@ TRTLLM_PER_LAYER = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate
 TRTLLM_TP = (1, 2, 4, 8)
 
 
+def trtllm_routing_refusal(op) -> str:
+    """TensorRT-LLM's MoE routing kernel takes top-k <= 8 at 384 experts or fewer: why `op` breaks that, or ""."""
+    if op.kind == "moe" and op.experts <= 384 and op.top_k > 8:
+        return f"top-k {op.top_k} of {op.experts} experts (TensorRT-LLM's routing takes top-k <= 8 below 385)"
+    return ""
+
+
 @dataclass
 class Verdict:
     """One engine's reading of a checkpoint: the layers it builds and what it would get wrong."""
@@ -83,12 +90,14 @@ def _readings(engine: str, cfg: dict) -> list[tuple[str, str, str, dict]]:
         else:
             src, c = f"block_configs[{i}]", _overlay(top, b)
         out.append((f"backbone.layers.{i}", kind, src, c))
+    # TensorRT-LLM's MTP layers: the top level, its missing MoE fields filled from the head's first MoE block
+    filled = {k: next((m[k] for m in mtp if m.get("block_type") == "moe" and m.get(k) is not None), None)
+              for k in TRTLLM_PER_LAYER if top.get(k) is None}
+    head_top = top | {k: v for k, v in filled.items() if v is not None}
     for j, b in enumerate(mtp):
         kind = LAYER_TYPES[b["block_type"]]
         if engine == "tensorrt-llm":
-            filled = {k: next((m.get(k) for m in mtp if m.get("block_type") == "moe" and m.get(k) is not None), None)
-                      for k in TRTLLM_PER_LAYER if top.get(k) is None}
-            src, c = "top level", top | {k: v for k, v in filled.items() if v is not None}
+            src, c = "top level", head_top
         else:
             src, c = f"mtp_block_configs[{j}]", _overlay(top, b)
         out.append((f"mtp.layers.{j}", kind, src, c))
@@ -113,13 +122,13 @@ def _layer_problem(name: str, path: str, kind: str, src: str, built, held) -> st
     return f"{path} ({kind}): {name} builds it from the {src} with {says}{tail}"
 
 
-def _quant_problems(engine: str, prog) -> list[str]:
-    fmts = {m: f for m, f in modelopt.formats(prog).items() if f}
+def _quant_problems(engine: str, fmts: dict) -> list[str]:
+    """`fmts`: each quantised linear module's format."""
     out = []
     for layer in {m.split(".mixer.")[0] for m in fmts}:
         groups = {"routed experts": [m for m in fmts if m.startswith(layer + ".mixer.experts.")],
-                  "q/k/v projections": [m for m in fmts if m.startswith(layer) and m.endswith(("q_proj", "k_proj",
-                                                                                             "v_proj"))]}
+                  "q/k/v projections": [m for m in fmts if m.startswith(layer + ".mixer.")
+                                        and m.endswith(("q_proj", "k_proj", "v_proj"))]}
         for what, mods in groups.items():
             if len({fmts[m] for m in mods}) > 1:
                 out.append(f"{layer}: its {what} mix quantization formats {sorted({fmts[m] for m in mods})}; "
@@ -132,8 +141,8 @@ def _quant_problems(engine: str, prog) -> list[str]:
     return out
 
 
-def _layout_problems(engine: str, prog, layout: Layout) -> list[str]:
-    recipes = " ".join(sorted({f for f in modelopt.formats(prog).values() if f}))
+def _layout_problems(engine: str, prog, layout: Layout, fmts: dict) -> list[str]:
+    recipes = " ".join(sorted(set(fmts.values())))
     out = [f"{n.path}: {why}" for n in [*prog.blocks(), *prog.find("mtp")]
            if (why := split_refusal(n.op, layout, recipes))]
     if engine == "tensorrt-llm":
@@ -168,11 +177,9 @@ def _head_problems(engine: str, cfg: dict, prog) -> list[str]:
                        f"the MTP head's {geometry(head)} differ; TensorRT-LLM builds both from the same top-level "
                        "fields, so one of them does not load: serve with vLLM or SGLang, or search with --engine "
                        "tensorrt-llm, which keeps them equal")
-        for n in [*prog.blocks("moe"), *[b for m in mtp for b in m.op.blocks if b.kind == "moe"]]:
-            op = getattr(n, "op", n)
-            if op.experts <= 384 and op.top_k > 8:
-                out.append(f"{getattr(n, 'path', 'mtp')}: top-k {op.top_k} of {op.experts} experts; TensorRT-LLM's "
-                           "routing kernel takes top-k <= 8 below 385 experts")
+        layers = [(n.path, n.op) for n in prog.blocks("moe")]
+        layers += [(f"mtp.layers.{j}", b) for m in mtp for j, b in enumerate(m.op.blocks)]
+        out += [f"{where}: {why}" for where, op in layers if (why := trtllm_routing_refusal(op))]
     return out
 
 
@@ -201,6 +208,7 @@ def check_serving(path, engines=ENGINES, layout: Layout | None = None) -> list[V
     held = {n.path: n.op for n in prog.blocks()}
     mtp = prog.find("mtp")
     held |= {f"mtp.layers.{j}": b for j, b in enumerate(mtp[0].op.blocks)} if mtp else {}
+    fmts = {m: f for m, f in modelopt.formats(prog).items() if f}
     out = []
     for engine in engines:
         v = Verdict(engine)
@@ -215,8 +223,8 @@ def check_serving(path, engines=ENGINES, layout: Layout | None = None) -> list[V
                 v.problems.append(why)
         if engine == "vllm" and cfg.get("num_nextn_predict_layers", 0) > 1:
             v.problems.append("num_nextn_predict_layers > 1; vLLM's NemotronH MTP takes one")
-        v.problems += _head_problems(engine, cfg, prog) + _quant_problems(engine, prog)
+        v.problems += _head_problems(engine, cfg, prog) + _quant_problems(engine, fmts)
         if layout is not None:
-            v.problems += _layout_problems(engine, prog, layout)
+            v.problems += _layout_problems(engine, prog, layout, fmts)
         out.append(v)
     return out

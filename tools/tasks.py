@@ -122,7 +122,7 @@ def eval_command(args) -> int:
     from .default_model import model_path
 
     names = task_names(args.tasks)
-    load_tasks(names, args.include_path)  # every task's data first: refused before a model is read
+    tasks = load_tasks(names, args.include_path)  # every task's data first: refused before a model is read
     compute = compute_of(args)
     prog = ir.verify(load_model(args, text=True))
     teacher = None
@@ -130,10 +130,10 @@ def eval_command(args) -> int:
         teacher = ir.verify(ir.load(model_path(args.teacher)))
         set_tokenizer(teacher, args.tokenizer)
         check_shared(prog, teacher)
-    run = lambda p: evaluate_tasks(model_for(p, compute, args.batch_size), load_tasks(names, args.include_path),
-                                   args.limit, args.num_fewshot, args.batch_size)
-    scores = run(prog)
-    found = rows(scores, run(teacher) if teacher is not None else None)
+    run = lambda p, t: evaluate_tasks(model_for(p, compute, args.batch_size), t, args.limit, args.num_fewshot,
+                                      args.batch_size)
+    scores = run(prog, tasks)  # the teacher's evaluation needs task objects of its own (they hold the requests)
+    found = rows(scores, run(teacher, load_tasks(names, args.include_path)) if teacher is not None else None)
     emit(args, {"model": str(model_path(args.model)), "teacher": args.teacher, "tasks": names, "limit": args.limit,
                 "num_fewshot": args.num_fewshot, "rows": found}, table(found))
     return 0

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ...backends.layout import split_refusal
+from ...backends.serving_check import trtllm_routing_refusal
 from ...ir.nemotron_h_puzzle import MTP_KINDS
 from ...ir.quant.formats import NVFP4_BLOCK
 from ..core import PassError
@@ -50,9 +51,8 @@ def _nvfp4_width(spec, parent, recipes: str) -> str:
 
 def _routing_top_k(spec, parent, recipes: str) -> str:
     """top-k <= 8 below 385 experts"""
-    if spec.kind == "moe" and spec.experts <= 384 and spec.top_k > 8 and \
-            (spec.experts, spec.top_k) != (parent.experts, parent.top_k):
-        return f"top-k {spec.top_k} of {spec.experts} experts (TensorRT-LLM's routing takes top-k <= 8 below 385)"
+    if spec.kind == "moe" and (spec.experts, spec.top_k) != (parent.experts, parent.top_k):
+        return trtllm_routing_refusal(spec)
     return ""
 
 
