@@ -65,12 +65,12 @@ class Layout:
     def shards(self, op, param: str) -> int:
         """Over how many devices a parameter of `op` is split (the rest of the replica holds copies): routed
         experts over the whole replica, K/V projections over at most the KV heads, the rest over `tp`."""
-        op, param = _inner(op, param)
-        if param.startswith("mixer.experts."):
-            return self.group
-        if op.kind == "attention" and param.split(".")[1] in ("k_proj", "v_proj"):
-            return self.kv_shards(op)
-        return self.tp
+        return self.class_shards(shard_class(op, param))
+
+    def class_shards(self, cls: tuple) -> int:
+        """Over how many devices the parameters of a `shard_class` are split."""
+        op, kind = cls
+        return self.group if kind == "experts" else self.kv_shards(op) if kind == "kv" else self.tp
 
     def kv_shards(self, op) -> int:
         """KV heads cannot be split below one per device: with tp > KV heads each head is replicated."""
@@ -89,6 +89,17 @@ class Layout:
     def requests_per_group(self, requests: float) -> int:
         """Requests one attention group serves when a replica serves `requests`."""
         return math.ceil(requests / self.dp)
+
+
+def shard_class(op, param: str) -> tuple:
+    """What decides how a parameter is split, whatever the layout: (the op holding it, "experts" for routed
+    experts, "kv" for K/V projections, "tp" for the rest)."""
+    op, param = _inner(op, param)
+    if param.startswith("mixer.experts."):
+        return op, "experts"
+    if op.kind == "attention" and param.split(".")[1] in ("k_proj", "v_proj"):
+        return op, "kv"
+    return op, "tp"
 
 
 def _inner(op, param: str):

@@ -1,7 +1,6 @@
 """Program: an SSA graph of block-level nodes plus the WeightStore holding their tensors."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,7 +113,7 @@ class Program:
         total = active = mtp_total = mtp_active = 0
         by_kind: dict[str, dict] = {}
         for n in self.nodes:
-            t = sum(math.prod(s) for s in n.op.params().values())
+            t = n.op.param_count()
             a = n.op.active_params()
             if n.op.kind == "mtp":
                 mtp_total, mtp_active = mtp_total + t, mtp_active + a

@@ -3,6 +3,7 @@ choices checked on their own options, and the same optimum as solving every layo
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -44,6 +45,37 @@ def test_the_fast_search_equals_solving_every_layout_and_batch(meta_lib):
                 best, where = got, (str(search.models[0][li].layout), b)
     assert plan.status == "optimal" and plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
     assert plan.layout == where[0]
+    assert all(plan.predicted[k] <= plan.limits[k] * (1 + 1e-9) for k in plan.predicted)
+
+
+def test_two_targets_at_once_equal_solving_every_pair_of_batches(meta_lib):
+    """Two targets, each with its own layout and batch: the plan is the best over every pair of batches of
+    every pair of layouts (keyed by each target's own bound, halved before any MIP, and still exact)."""
+    parent, lib = meta_lib
+
+    class Small(_Search):
+        MAX_BATCH = 12  # every pair solved below: 144 problems
+
+    a = get_scenario("chat", rate_floor=1700.0, gpus=2, context=60000)
+    b = get_scenario("chat", rate_floor=1500.0, gpus=2, context=30000)
+    search = Small(lib, parent, [("8xh100", a), ("8xb200", b)], constraints=Constraints(speedup=1.1, keep=("attention",)),
+                   engine="none")
+    plan = search.plan()
+    best, where, pairs = math.inf, None, 0
+    for combo in search.spans():
+        batches = [[(li, n, n) for n in range(b1, b2 + 1, search.models[t][li].layout.dp)]
+                   for t, (li, b1, b2) in enumerate(combo)]
+        for pick in itertools.product(*batches):
+            pairs += 1
+            try:
+                got = solve(search.problem(pick).problem)[0].objective
+            except Infeasible:
+                continue
+            if got < best:
+                best, where = got, [str(search.models[t][li].layout) for t, (li, _, _) in enumerate(pick)]
+    assert pairs > 100 and len(search.spans()) > 1
+    assert plan.status == "optimal" and plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert plan.layouts == where
     assert all(plan.predicted[k] <= plan.limits[k] * (1 + 1e-9) for k in plan.predicted)
 
 

@@ -202,6 +202,18 @@ def test_a_weightless_library_of_the_super_config(tmp_path):
         lib.weights(moe)
 
 
+def test_the_library_command_builds_a_weightless_library_from_a_shipped_config_without_a_tokenizer(tmp_path, capsys):
+    """A bare config reads no text, so its 131k vocabulary needs no tokenizer; the plan on it answers."""
+    out = tmp_path / "super"
+    assert main(["library", "nemotron-3-super-120b-a12b", "-o", str(out), "--grid", "planning", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["weightless"] and got["layers"] == 88 and got["variants"] == len(Library.open(out).rows)
+    assert main(["plan", str(out), "--target", "h100", "--scenario", "long-1m", "--recipe", "nvfp4-hybrid",
+                 "--concurrency", "8", "--keep", "attention", "--uniform", "mamba2.state", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["status"] == "optimal" and plan["predicted"]["memory_bytes"] <= plan["limits"]["memory_bytes"]
+
+
 @pytest.mark.parametrize("text,match", [
     ("[mamba2]\nheads = [5]\n", r"backbone.layers.0 \(mamba2\): heads=5 is not a multiple of its 2 groups"),
     ("[moe]\ntop_k = [9]\n", r"backbone.layers.1 \(moe\): top_k=9 exceeds the parent's 2"),

@@ -35,7 +35,10 @@ def run_library(args) -> int:
     from .common import compute_of, emit, load_model
 
     compute = compute_of(args)
-    prog = load_model(args, text=True)
+    prog = load_model(args)
+    if not prog.is_meta:  # a weightless library (a bare config) reads no text: no tokenizer needed
+        from ..tokenizer import tokenizer_of
+        tokenizer_of(prog)
     settings = LibrarySettings(calib_windows=args.calib_windows, score_windows=args.score_windows, seq=args.seq,
                                bld_tokens=args.bld_tokens, bld_lr=args.bld_lr, data=list(args.data or []))
     start = time.monotonic()

@@ -12,7 +12,7 @@ from ...errors import PuzzlekitError, UsageError
 from ...ir import Program
 from ..layout import Layout, layouts, split_refusal
 from ..targets import Target, get_target
-from .model import CostModel, _layout_for
+from .model import CostModel, _layout_for, shared_provider
 from .provider import Provider
 from .report import CostReport
 from .scenario import Scenario, get_scenario
@@ -51,6 +51,7 @@ def best_layout(prog: Program, target: Target | str, scenario: Scenario, provide
     target = get_target(target) if isinstance(target, str) else target
     scenario = scenario.check()
     recipes = _recipes(prog, scenario)
+    provider = shared_provider(target, provider)
     tried, refused, rows = [], [], []  # rows: every layout in order, its report or why no engine splits it
     for layout in layouts_of(target, scenario):
         if fits is not None and not fits(layout):

@@ -11,7 +11,7 @@ from fnmatch import fnmatch
 from ...errors import PuzzlekitError
 from ...ir import Program
 from ...ir.quant.recipe import get_recipe
-from ..layout import Layout
+from ..layout import Layout, shard_class
 from ..measured import MeasuredProvider
 from ..targets import Target, get_target
 from .analytic import AnalyticProvider
@@ -23,6 +23,10 @@ from .scenario import Scenario
 
 #: (recipe, op, path signature) -> per parameter its precision, shared by the cost models (see `_precisions`)
 _PRECISIONS: dict = {}
+#: (recipe, op, path signature) -> a number standing for its precision table (`CostModel._precision_token`)
+_TOKENS: dict = {}
+#: (recipe, op, path signature) -> its stored bytes per sharding class (`CostModel._bytes`)
+_CLASS_BYTES: dict = {}
 
 
 class CostModel:
@@ -50,9 +54,11 @@ class CostModel:
         self._formats: dict = {}
         self._node_memo: dict = {}
         self._recipe_paths = [r.path for r in get_recipe(scenario.recipe).rules] if scenario.recipe else []
+        self._signatures: dict = {}  # path -> which recipe patterns it matches
+        self._bytes_memo: dict = {}
         self._static_memo: dict = {}  # what a node's figures owe nothing to the batch: priced once per layout
         self.precisions = {n.path: self._precisions(n.path, n.op) for n in prog.nodes}
-        self._prec_keys = {path: tuple(p.items()) for path, p in self.precisions.items()}  # hashed once
+        self._prec_keys = {n.path: self._precision_token(n.path, n.op) for n in prog.nodes}
         self._memo: dict = {}  # identical layers (same spec, precisions, routing) are priced once per shape
         self._activation = None
         self._device_weight_total = None
@@ -71,6 +77,11 @@ class CostModel:
                 fp32 = op.fp32_params()
                 _PRECISIONS[key] = {k: "fp32" if k in fp32 else self._format(path, k, op) for k in op.params()}
         return _PRECISIONS[key]
+
+    def _precision_token(self, path: str, op) -> int:
+        """A number standing for `_precisions(path, op)` in memo keys: hashing a 512-expert MoE's thousand
+        entries at every price would be most of what a search spends."""
+        return _TOKENS.setdefault((self.scenario.recipe, op, self._path_signature(path)), len(_TOKENS))
 
     def _format(self, path: str, param: str, op) -> str:
         """A parameter's storage precision by the scenario's recipe, looked up once per (path, parameter): the
@@ -117,6 +128,8 @@ class CostModel:
     def prepare(self, ops, batch: int, context: int | None = None) -> None:
         """Prices `ops` (a search's variants and the parent's ops) together before `node_costs` asks for them
         one by one, so the measured provider's times compare like with like."""
+        if not self.provider.measures:  # an analytic price needs no round together
+            return
         ctx = context or self.scenario.decode_context
         ops = list(dict.fromkeys(ops))
         items = [(op, *p[:4]) for op in ops for p in self.decode_parts(op, batch, ctx) + self.prefill_parts(op)]
@@ -139,7 +152,10 @@ class CostModel:
     def _path_signature(self, path: str) -> tuple:
         """Which of the recipe's path patterns `path` matches: paths that match the same ones get the same
         precisions for every parameter."""
-        return tuple(fnmatch(path, glob) for glob in self._recipe_paths)
+        sig = self._signatures.get(path)
+        if sig is None:
+            sig = self._signatures[path] = tuple(fnmatch(path, glob) for glob in self._recipe_paths)
+        return sig
 
     def _node_costs(self, path: str, op, batch: int, context, routing) -> dict:
         prec, key, static = self._static(path, op, context, routing)
@@ -155,15 +171,15 @@ class CostModel:
         mkey = (op, context, None if routing is None else tuple(routing), self._path_signature(path))
         if mkey not in self._static_memo:
             prec = self._precisions(path, op)
-            key = tuple(prec.items())
+            key = self._precision_token(path, op)
             resident = self._resident(op)
             self._static_memo[mkey] = (prec, key, {
                 "prefill_seconds": self._runs(op, prec, routing, self.prefill_parts(op), key),
-                "weight_bytes": self._device_weights(op, prec) if resident else 0.0,
+                "weight_bytes": self._bytes(path, op, shard=True) if resident else 0.0,
                 "state_bytes": self.layout.state_bytes(op, self.kv_b, self.ssm_b, self.act_b,
                                                        context or self.scenario.context_len,
                                                        self.deployment.ssm_copies) if resident else 0.0,
-                "params": sum(math.prod(sh) for sh in op.params().values()), "active_params": op.active_params()})
+                "params": op.param_count(), "active_params": op.active_params()})
         return self._static_memo[mkey]
 
     def prefill_share(self, batch: int) -> float:
@@ -181,18 +197,28 @@ class CostModel:
         return self.provider.step_overhead()
 
     # memory
-    def _device_weights(self, op, precisions: dict) -> float:
-        return sum(math.prod(shape) * BYTES[precisions[k]] / self.layout.shards(op, k) for k, shape in op.params().items())
+    def _bytes(self, path: str, op, shard: bool = False) -> float:
+        """A node's stored weight bytes (one device's share with `shard`): summed per sharding class once per
+        spec and recipe, for every layout (a 512-expert MoE has a thousand tensors), then split as this
+        layout splits each class."""
+        key = (self.scenario.recipe, op, self._path_signature(path))
+        per = _CLASS_BYTES.get(key)
+        if per is None:
+            prec, per = self._precisions(path, op), {}
+            for k, shape in op.params().items():
+                c = shard_class(op, k)
+                per[c] = per.get(c, 0.0) + math.prod(shape) * BYTES[prec[k]]
+            _CLASS_BYTES[key] = per
+        return sum(b / self.layout.class_shards(c) if shard else b for c, b in per.items())
 
     def weight_bytes(self) -> float:
         """The whole model's weights (one copy)."""
-        return sum(math.prod(shape) * BYTES[self.precisions[n.path][k]]
-                   for n in self.prog.nodes if self._resident(n.op) for k, shape in n.op.params().items())
+        return sum(self._bytes(n.path, n.op) for n in self.prog.nodes if self._resident(n.op))
 
     def device_weight_bytes(self) -> float:
         """The weights one device holds (summed once: a report asks at every batch it tries)."""
         if self._device_weight_total is None:
-            self._device_weight_total = sum(self._device_weights(n.op, self.precisions[n.path])
+            self._device_weight_total = sum(self._bytes(n.path, n.op, shard=True)
                                             for n in self.prog.nodes if self._resident(n.op))
         return self._device_weight_total
 
@@ -361,8 +387,7 @@ class CostModel:
             k = by_kind.setdefault(n.op.kind, {"count": 0, "weight_bytes": 0.0, "state_bytes_per_request": 0.0})
             k["count"] += 1
             if self._resident(n.op):
-                k["weight_bytes"] += sum(math.prod(sh) * BYTES[self.precisions[n.path][p]]
-                                         for p, sh in n.op.params().items())
+                k["weight_bytes"] += self._bytes(n.path, n.op)
                 k["state_bytes_per_request"] += self._state(n.op, s.context_len)
         for kind, v in by_kind.items():
             v["decode_seconds"] = per_kind_decode.get(kind, 0.0)
@@ -372,6 +397,13 @@ class CostModel:
                           max_req * L.replicas, best * L.replicas, step, self.decode_step_seconds(1), prefill, serve,
                           self.throughput(best, serve) if best else 0.0, binding, headroom, by_kind, infeasible,
                           str(L), self.tokens_per_step, rate if best else 0.0, self.device_weight_bytes(), state)
+
+
+def shared_provider(target: Target, provider: Provider | None = None) -> Provider | None:
+    """`provider`, else one analytic provider for every layout of a GPU target (its memos are per op and
+    precision, not per layout: a 512-expert MoE's tables are then built once, not once per layout); None for
+    the cpu target, whose measured provider each cost model makes."""
+    return provider or (None if target.kind == "cpu" else AnalyticProvider(target))
 
 
 def _layout_for(target: Target, s: Scenario, layout) -> Layout:

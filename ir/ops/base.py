@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import ClassVar
@@ -67,9 +68,13 @@ class OpSpec:
                 p[k.rsplit(".", 1)[0] + ".input_scale"] = ()
         return p
 
+    def param_count(self) -> int:
+        """All parameters (counted once per spec: a 512-expert MoE lists a thousand tensors)."""
+        return _param_count(self)
+
     def active_params(self) -> int:
         """Parameters touched per token (differs from the total only for routed experts)."""
-        return sum(math.prod(s) for s in self.params().values())
+        return self.param_count()
 
     def fp32_params(self) -> frozenset[str]:
         """Parameters kept in float32 whatever the model dtype (router weights, biases)."""
@@ -255,6 +260,11 @@ class Work:
     state_read: float = 0.0
     state_write: float = 0.0
     kernels: int = 0
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _param_count(spec) -> int:
+    return sum(math.prod(s) for s in spec.params().values())
 
 
 def dense_weights(spec) -> dict:

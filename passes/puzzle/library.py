@@ -92,6 +92,7 @@ class Library:
         self.path = Path(path)
         self.manifest = manifest
         self.rows = manifest["variants"]
+        self._specs: dict = {}  # (layer, id) -> (its spec dict, the spec): specs are immutable
 
     @classmethod
     def open(cls, path, parent: Program | None = None) -> Library:
@@ -129,7 +130,11 @@ class Library:
         return out
 
     def spec(self, row: dict) -> OpSpec:
-        return spec_from_dict(row["spec"], f"{self.path}: variant {row['layer']}/{row['id']}")
+        key = (row["layer"], row["id"])
+        hit = self._specs.get(key)
+        if hit is None or hit[0] is not row["spec"]:  # read once per variant: a search asks at every batch
+            hit = self._specs[key] = (row["spec"], spec_from_dict(row["spec"], f"{self.path}: variant {key[0]}/{key[1]}"))
+        return hit[1]
 
     def weights(self, row: dict, lazy: bool = False) -> dict:
         """The variant's weights by local name; `lazy`: unread (read from the library when used), so that a

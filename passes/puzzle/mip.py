@@ -233,26 +233,28 @@ def _feasible(p: Problem, active, time_limit) -> bool:
 
 
 def _rows(p: Problem, active, cuts) -> LinearConstraint:
-    rows, cols, vals, lo, hi = [], [], [], [], []
+    """The constraint matrix, a block of rows at a time (arrays throughout: 88 layers x 32 options x a few
+    uniform labels make thousands of rows, built for every problem of a batch search)."""
+    blocks, n = [], 0
 
-    def add(c, v, lb, ub):
-        rows.extend([len(lo)] * len(c))
-        cols.extend(c)
-        vals.extend(np.broadcast_to(v, len(c)))
-        lo.append(lb)
-        hi.append(ub)
+    def add(row, col, val, lb, ub):  # rows numbered from 0 within the block
+        nonlocal n
+        blocks.append((np.asarray(row, dtype=np.int64) + n, np.asarray(col, dtype=np.int64),
+                       np.broadcast_to(np.asarray(val, dtype=np.float64), len(col)),
+                       np.asarray(lb, dtype=np.float64), np.asarray(ub, dtype=np.float64)))
+        n += len(blocks[-1][3])
 
-    for m in p.members:                                  # exactly one option per layer
-        add(m, 1.0, 1.0, 1.0)
+    ones = np.ones(p.n_layers)
+    add(p.layer, np.arange(p.layer.size), 1.0, ones, ones)  # exactly one option per layer
     for con in active:
         if con.kind == "same":
             _uniform_rows(p, con.name, add)
         else:
             _bound_row(p, con, add)
     for chosen, most in cuts:                            # share at most `most` layers with `chosen`
-        add(chosen, 1.0, -np.inf, most)
-    a = csr_array((vals, (rows, cols)), shape=(len(lo), p._n_vars))
-    return LinearConstraint(a, lo, hi)
+        add(np.zeros(len(chosen)), chosen, 1.0, [-np.inf], [most])
+    rows, cols, vals, lo, hi = (np.concatenate(x) for x in zip(*blocks))
+    return LinearConstraint(csr_array((vals, (rows, cols)), shape=(n, p._n_vars)), lo, hi)
 
 
 def _bound_row(p: Problem, con: _Con, add):
@@ -265,25 +267,29 @@ def _bound_row(p: Problem, con: _Con, add):
         rhs = np.float64(bound + slack - base if con.kind == "<=" else bound - slack - base) / scale
     rhs = float(np.clip(rhs, -1.0, p.n_layers + 1.0))
     nz = np.flatnonzero(reduced)
-    add(nz, reduced[nz] / scale, -np.inf if con.kind == "<=" else rhs, rhs if con.kind == "<=" else np.inf)
+    add(np.zeros(nz.size), nz, reduced[nz] / scale, [-np.inf if con.kind == "<=" else rhs],
+        [rhs if con.kind == "<=" else np.inf])
 
 
 def _uniform_rows(p: Problem, g: str, add):
     """One binary y per label, sum y = 1; a layer's options with label k sum to y_k (at most y_k when the
-    layer also has options outside the group)."""
+    layer also has options outside the group, and every label gets its row in a layer wholly inside it)."""
     codes, y0, k = p._codes[g], p._y_start[g], len(p._labels[g])
     if k == 0:
         return
-    add(np.arange(y0, y0 + k), 1.0, 1.0, 1.0)
-    for m in p.members:
-        mine = codes[m]
-        if (mine < 0).all():
-            continue
-        full = (mine >= 0).all()
-        for label in range(k):
-            opts = m[mine == label]
-            if full or opts.size:
-                add(np.append(opts, y0 + label), np.append(np.ones(opts.size), -1.0), 0.0 if full else -np.inf, 0.0)
+    add(np.zeros(k), np.arange(y0, y0 + k), 1.0, [1.0], [1.0])
+    on = np.flatnonzero(codes >= 0)
+    count = np.zeros((p.n_layers, k), dtype=np.int64)
+    np.add.at(count, (p.layer[on], codes[on]), 1)
+    inside = count.sum(1)
+    full = inside == np.bincount(p.layer, minlength=p.n_layers)
+    keep = (inside > 0)[:, None] & (full[:, None] | (count > 0))  # the (layer, label) rows, layer by layer
+    number = np.full(keep.shape, -1)
+    number[keep] = np.arange(int(keep.sum()))
+    layers, labels = np.nonzero(keep)
+    add(np.concatenate([number[p.layer[on], codes[on]], number[keep]]), np.concatenate([on, y0 + labels]),
+        np.concatenate([np.ones(on.size), -np.ones(labels.size)]), np.where(full[layers], 0.0, -np.inf),
+        np.zeros(labels.size))
 
 
 def _reduce(p: Problem, values: np.ndarray) -> tuple[np.ndarray, float]:

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from ...backends.cost import CostModel, Scenario, best_layout, get_scenario, layouts_of
+from ...backends.cost.model import shared_provider
 from ...backends.targets import get_target
 from ...ir import Program
 from ..core import PassError
@@ -79,7 +80,8 @@ class Search:
         # over, drafting as its head accepts
         self.recipes, self._unsplit_memo = recipes, {}
         self.models = []
-        for t, s in zip(hardware, self.scenarios):
+        providers = [shared_provider(t, provider) for t in hardware]
+        for t, s, provider in zip(hardware, self.scenarios, providers):
             every = layouts_of(t, s)
             why = {str(L): self._no_child_splits(L) for L in every}
             if all(why.values()):
@@ -90,14 +92,15 @@ class Search:
         need_base = self.c.speedup or (fraction < 1 and self.c.concurrency)
         # the parent's throughput in the best layout the engines split all of it over
         whole = refused(self.engine, (n.op for n in parent.nodes), self.recipes)
-        self.base = [best_layout(parent, t, s, provider, fits=lambda L: not whole(L))[1]
-                     for t, s in zip(hardware, self.scenarios)] if need_base else []
+        self.base = [best_layout(parent, t, s, p, fits=lambda L: not whole(L))[1]
+                     for t, s, p in zip(hardware, self.scenarios, providers)] if need_base else []
         if fraction < 1:  # counts move here, bounds in `problem` (they need the parent's figures)
             base = self.base[0].max_concurrency if self.c.concurrency else 0
             self.c = dataclasses.replace(self.c, speedup=self._move(1.0, self.c.speedup, up=True) if self.c.speedup else 0.0,
                                          concurrency=math.ceil(self._move(max(base, 1), self.c.concurrency, up=True))
                                          if self.c.concurrency else 0)
         self._costs: dict = {}
+        self._alone: dict = {}  # (target, span) -> that target's rows' relaxation bound
 
     def _no_child_splits(self, layout) -> str:
         """Why the engines split no child over `layout` (a part outside the blocks, or a layer none of whose
@@ -169,6 +172,9 @@ class Search:
     MAX_SOLVES = 64
     #: a batch range is searched only while its bound is below the best found by more than this (relative)
     GAP = 1e-6
+    #: a batch range wider than this (largest over smallest batch) is halved rather than solved: its
+    #: relaxation is too loose for a MIP's choice to be admitted at one of its batches
+    WIDE = 1.05
     #: bounds that move from the parent's figure toward the target over the rounds (search_rows.py)
     MOVED = MOVED
 
@@ -205,23 +211,32 @@ class Search:
         heap, order = [], itertools.count()
         roots = self.spans()
         # the ranges and single batches of them (their ends and middle; the baselines try only these, at
-        # power-of-two batches too), each keyed by its LP relaxation's bound (none: nothing there is feasible)
-        for spans in [s for spans in roots for s in grid(self.models, spans, method == "mip")] + \
-                (roots if method == "mip" else []):
-            pr = self.problem(spans)
-            bound = lower_bound(pr.problem)
-            if bound is not None:
-                heapq.heappush(heap, (bound, next(order), spans))
-            elif pr.exact:
-                failed = failed or (solve_by(self, "mip", pr, time_limit), pr)
+        # power-of-two batches too), each keyed by a bound that is cheap to know (`_key`) and evaluated (its own
+        # relaxation's bound) only when it comes to the top: most are dropped unevaluated once a choice is found
+        for spans in roots if method == "mip" else [s for spans in roots for s in grid(self.models, spans)]:
+            key = self._key(spans)
+            if key is not None:
+                heapq.heappush(heap, (key, next(order), spans, len(self.models) == 1))
+            elif all(b1 == b2 for _, b1, b2 in spans):  # a batch no choice meets: the diagnosis if none is found
+                failed = failed or self._failure(spans, time_limit)
         solved = 0
         while heap:
-            bound, _, spans = heapq.heappop(heap)
+            bound, _, spans, evaluated = heapq.heappop(heap)
             if best is not None and bound >= best[0][0].objective - self.GAP * abs(best[0][0].objective):
                 continue
             if best is not None and (solved >= self.MAX_SOLVES or time.perf_counter() - start > batch_seconds):
-                heapq.heappush(heap, (bound, next(order), spans))
+                heapq.heappush(heap, (bound, next(order), spans, evaluated))
                 break
+            if not evaluated:  # its own relaxation's bound, at least the one it was keyed by
+                low = lower_bound(self.problem(spans).problem)
+                if low is not None:
+                    heapq.heappush(heap, (max(bound, low), next(order), spans, True))
+                elif all(b1 == b2 for _, b1, b2 in spans):
+                    failed = failed or self._failure(spans, time_limit)
+                continue
+            if method == "mip" and self._wide(spans):  # a loose relaxation: halve it before any MIP
+                self._push_halves(heap, order, spans, bound)
+                continue
             solved += 1
             pr = self.problem(spans)
             sols = solve_by(self, method, pr, time_limit)
@@ -233,11 +248,8 @@ class Search:
             exact = pr if pr.exact else admitting(self.models, sols[0].choice, spans, self._rows, self.c, self.problem)
             if exact is not None:
                 best = (sols, exact)
-            else:  # each half keyed by its own relaxation's bound (at least its parent's): a half that cannot
-                for half in split(self.models, spans):  # beat the best found is dropped before any MIP
-                    low = lower_bound(self.problem(half).problem)
-                    if low is not None:
-                        heapq.heappush(heap, (max(sols[0].objective, low), next(order), half))
+            else:  # no batch of the range admits a better choice than this one
+                self._push_halves(heap, order, spans, max(bound, sols[0].objective))
         if best is None:
             near = None if None in self.nearest else tuple((li, b, b) for li, b, _ in self.nearest)
             if not (failed and isinstance(failed[0], Infeasible) and failed[1].exact) and near:  # one batch's
@@ -250,7 +262,7 @@ class Search:
             raise PlanError(f"the {method} baseline finds no architecture that meets the constraints" if near else
                             "no layout of the target holds the model's smallest variant and one request in memory")
         sols, pr = best
-        open_bound = min((b for b, _, _ in heap), default=math.inf)
+        open_bound = min((b for b, *_ in heap), default=math.inf)
         left = max(0.0, (sols[0].objective - open_bound) / max(abs(sols[0].objective), 1e-300))
         status = sols[0].status if left <= self.GAP else f"batch search stopped after {solved} solves"
         sols = [Solution(s.choice, s.objective, {k: math.fsum(v[s.choice]) for k, v in pr.costs.items()},
@@ -262,6 +274,40 @@ class Search:
         plans = [self._plan(s, pr, seconds) for s in sols]
         plans[0].alternatives = [p.to_json() for p in plans[1:]]
         return plans[0]
+
+    def _wide(self, spans) -> bool:
+        """Whether some target's batch range is wider (by ratio) than WIDE and can still be halved."""
+        return any(b2 > b1 * self.WIDE and b2 - b1 >= 2 * self.models[t][li].layout.dp
+                   for t, (li, b1, b2) in enumerate(spans))
+
+    def _key(self, spans) -> float | None:
+        """A lower bound of the problem over `spans` that is cheap to know (None: nothing there is feasible).
+        With one target, its relaxation's bound; with several, the largest of each target's alone (memoised
+        per target and span, so the combinations of layouts, which grow as their product, cost no more LPs)."""
+        if len(self.models) == 1:
+            return lower_bound(self.problem(spans).problem)
+        lows = []
+        for t, span in enumerate(spans):
+            if (t, span) not in self._alone:
+                rows = self._rows(t, span, self.c)
+                self._alone[t, span] = lower_bound(Problem(self.layer, self.score, {k: r.costs for k, r in rows.items()},
+                                                           {k: r.bound - r.fixed for k, r in rows.items()},
+                                                           uniform=self.uniform))
+            lows.append(self._alone[t, span])
+        return None if None in lows else max(lows)
+
+    def _push_halves(self, heap, order, spans, floor: float) -> None:
+        """Each half of `spans`, unevaluated, keyed by `floor` (what bounds the whole range) or, with several
+        targets, by each target's own bound when larger (a half none of whose choices is feasible is dropped)."""
+        for half in split(self.models, spans):
+            key = self._key(half) if len(self.models) > 1 else floor
+            if key is not None:
+                heapq.heappush(heap, (max(floor, key), next(order), half, False))
+
+    def _failure(self, spans, time_limit: float) -> tuple:
+        """The diagnosis of a single batch no choice meets, with its problem."""
+        pr = self.problem(spans)
+        return solve_by(self, "mip", pr, time_limit), pr
 
     def _plan(self, sol, pr: Priced, seconds: float) -> Plan:
         rows = [self.rows[i] for i in sol.choice]
