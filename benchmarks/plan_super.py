@@ -2,7 +2,7 @@
 Nemotron-3-Super config (88 layers, the planning grid, prior scores), with solver times, next to the
 published child (75.3B total / 9.3B active, attention intact, SSM state 96, MoE d_ff 1280-2688, top-k 4-18).
 
-Run: python benchmarks/plan_super.py [--config PATH]
+Run: python benchmarks/plan_super.py [--config PATH]   (goal: the 8xB200 question in <= 10 s wall, 5 s ideally)
 The figures depend on the cost model (docs/cost-model.md); where it cannot reach a target the script
 prints the binding constraint and the best value reachable instead.
 """
@@ -24,6 +24,9 @@ TARGETS = {
         (("h100", "long-1m"), Constraints(concurrency=8, keep=("attention",), uniform=("mamba2.state",))),
     "2x throughput on 8xB200 at >= 100 tok/s/user (8K in / 64K out)":
         (("8xb200", "decode-heavy"), Constraints(speedup=2.0, keep=("attention",), uniform=("mamba2.state",))),
+    "one child, 1.5x on 8xB200 both decode-heavy and prefill-heavy (two targets at once)":
+        ([("8xb200", "decode-heavy"), ("8xb200", "prefill-heavy")],
+         Constraints(speedup=1.5, keep=("attention",), uniform=("mamba2.state",))),
 }
 
 
@@ -39,6 +42,7 @@ def describe(search: Search, plan) -> str:
 
 
 def main() -> None:
+    begun = time.perf_counter()
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=str(CONFIG))
     args = ap.parse_args()
@@ -54,7 +58,8 @@ def main() -> None:
           "MoE d_ff 1280-2688, top-k 4-18")
     for name, (target, c) in TARGETS.items():
         t0 = time.perf_counter()
-        search = Search(lib, parent, [target], recipe="nvfp4-hybrid", constraints=c)
+        search = Search(lib, parent, target if isinstance(target, list) else [target], recipe="nvfp4-hybrid",
+                        constraints=c)
         priced = time.perf_counter() - t0
         try:
             plan = search.plan()
@@ -62,10 +67,11 @@ def main() -> None:
             print(f"\n{name}: priced in {priced:.1f} s; not reachable with this cost model:\n  {e}")
             continue
         print(f"\n{name}: priced in {priced:.1f} s, solved in {plan.solve_seconds:.2f} s ({plan.status}, gap "
-              f"{plan.gap:.2%}, layout {plan.layout}, batch {plan.batch}; goal: under 5 s per solve)\n"
+              f"{plan.gap:.2%}, layouts {', '.join(plan.layouts)}, batch {plan.batch})\n"
               f"  child: {describe(search, plan)}")
         for k in plan.predicted:
             print(f"  {k}: parent {plan.parent[k]:.4g}, child {plan.predicted[k]:.4g}, bound {plan.limits[k]:.4g}")
+    print(f"\nwall, start-up excluded: {time.perf_counter() - begun:.1f} s")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 choices checked on their own options, and the same optimum as solving every layout and batch."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -48,6 +49,10 @@ def test_the_fast_search_equals_solving_every_layout_and_batch(meta_lib):
     assert all(plan.predicted[k] <= plan.limits[k] * (1 + 1e-9) for k in plan.predicted)
 
 
+TWO_TARGETS = [("8xh100", get_scenario("chat", rate_floor=1700.0, gpus=2, context=60000)),
+               ("8xb200", get_scenario("chat", rate_floor=1500.0, gpus=2, context=30000))]
+
+
 def test_two_targets_at_once_equal_solving_every_pair_of_batches(meta_lib):
     """Two targets, each with its own layout and batch: the plan is the best over every pair of batches of
     every pair of layouts (keyed by each target's own bound, halved before any MIP, and still exact)."""
@@ -56,10 +61,7 @@ def test_two_targets_at_once_equal_solving_every_pair_of_batches(meta_lib):
     class Small(_Search):
         MAX_BATCH = 12  # every pair solved below: 144 problems
 
-    a = get_scenario("chat", rate_floor=1700.0, gpus=2, context=60000)
-    b = get_scenario("chat", rate_floor=1500.0, gpus=2, context=30000)
-    search = Small(lib, parent, [("8xh100", a), ("8xb200", b)], constraints=Constraints(speedup=1.1, keep=("attention",)),
-                   engine="none")
+    search = Small(lib, parent, TWO_TARGETS, constraints=Constraints(speedup=1.1, keep=("attention",)), engine="none")
     plan = search.plan()
     best, where, pairs = math.inf, None, 0
     for combo in search.spans():
@@ -77,6 +79,21 @@ def test_two_targets_at_once_equal_solving_every_pair_of_batches(meta_lib):
     assert plan.status == "optimal" and plan.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
     assert plan.layouts == where
     assert all(plan.predicted[k] <= plan.limits[k] * (1 + 1e-9) for k in plan.predicted)
+
+
+def test_a_search_planned_again_under_other_constraints_plans_as_a_fresh_one(meta_lib):
+    """A sweep plans one search at several speedups (harder first here): nothing bounded under the earlier
+    constraints carries over, with one target or two."""
+    parent, lib = meta_lib
+    for targets in (TWO_TARGETS[:1], TWO_TARGETS):
+        c = Constraints(speedup=1.3, keep=("attention",))
+        search = Search(lib, parent, targets, constraints=c)
+        search.plan()
+        search.c = dataclasses.replace(c, speedup=1.05)
+        again = search.plan()
+        fresh = Search(lib, parent, targets, constraints=dataclasses.replace(c, speedup=1.05)).plan()
+        assert again.objective == pytest.approx(fresh.objective, rel=1e-9, abs=1e-12) and again.status == "optimal"
+        assert again.layouts == fresh.layouts
 
 
 def test_options_priced_once_per_group_equal_each_option_priced_alone(meta_lib):

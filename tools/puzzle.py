@@ -251,10 +251,13 @@ def _sweep_plot(rows: list[dict], path) -> None:
     xs = [r["speedup"] for r in rows]
     ax[0].plot(xs, [r["objective"] for r in rows], "o-")
     ax[0].set(xlabel="speedup asked", ylabel="summed score (lower is better)")
-    ax[1].plot(xs, [r["params"] / 1e9 for r in rows], "o-", label="params (B)")
-    ax[1].plot(xs, [r["throughput_ratio"] for r in rows], "s--", label="throughput / parent")
-    ax[1].set(xlabel="speedup asked")
-    ax[1].legend()
+    ax[1].plot(xs, [r["params"] / 1e9 for r in rows], "o-", label="params")
+    ax[1].plot(xs, [r["active"] / 1e9 for r in rows], "^-", label="active")
+    ax[1].set(xlabel="speedup asked", ylabel="parameters (B)")
+    ax[1].legend(loc="lower left")
+    ratio = ax[1].twinx()  # a ratio near the x axis, not squashed under 1e11 parameters
+    ratio.plot(xs, [r["throughput_ratio"] for r in rows], "s--", color="tab:red")
+    ratio.set_ylabel("throughput / parent (predicted)", color="tab:red")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

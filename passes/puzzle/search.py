@@ -100,7 +100,7 @@ class Search:
                                          concurrency=math.ceil(self._move(max(base, 1), self.c.concurrency, up=True))
                                          if self.c.concurrency else 0)
         self._costs: dict = {}
-        self._alone: dict = {}  # (target, span) -> that target's rows' relaxation bound
+        self._alone: dict = {}  # (target, span) -> that target's rows' relaxation bound, per plan
 
     def _no_child_splits(self, layout) -> str:
         """Why the engines split no child over `layout` (a part outside the blocks, or a layer none of whose
@@ -209,6 +209,7 @@ class Search:
             raise PassError(f"unknown search method {method!r}; known: mip, {', '.join(BASELINES)}")
         start, best, failed = time.perf_counter(), None, None
         heap, order = [], itertools.count()
+        self._alone = {}  # its bounds follow the constraints, which a sweep changes between plans
         roots = self.spans()
         # the ranges and single batches of them (their ends and middle; the baselines try only these, at
         # power-of-two batches too), each keyed by a bound that is cheap to know (`_key`) and evaluated (its own
