@@ -55,7 +55,6 @@ class CostModel:
         self._node_memo: dict = {}
         self._recipe_paths = [r.path for r in get_recipe(scenario.recipe).rules] if scenario.recipe else []
         self._signatures: dict = {}  # path -> which recipe patterns it matches
-        self._bytes_memo: dict = {}
         self._static_memo: dict = {}  # what a node's figures owe nothing to the batch: priced once per layout
         self.precisions = {n.path: self._precisions(n.path, n.op) for n in prog.nodes}
         self._prec_keys = {n.path: self._precision_token(n.path, n.op) for n in prog.nodes}

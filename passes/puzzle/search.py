@@ -204,7 +204,9 @@ class Search:
         The MIP's batch is exact, by branch and bound over batch ranges: a range's relaxed problem (`problem`)
         admits every choice that some batch in the range admits, so its optimum bounds the range from below.
         When that optimum's choice meets the exact rows at one of the range's batches, no batch in the range
-        does better; otherwise the range is halved. Ranges whose bound cannot beat the best found are dropped."""
+        does better; otherwise the range is halved. A range wider than WIDE is halved before any MIP (its LP
+        relaxation's bound is what orders and drops it). Ranges whose bound cannot beat the best found are
+        dropped."""
         if method not in ("mip", *BASELINES):
             raise PassError(f"unknown search method {method!r}; known: mip, {', '.join(BASELINES)}")
         start, best, failed = time.perf_counter(), None, None
