@@ -5,6 +5,10 @@ the trunk verifies; see evaluate.acceptance_length) on prompts from the held-out
 program and for the teacher snapshot, and fails the pipeline when the program's falls more than `tolerance`
 below the teacher's. Recovery is `distill{head_only=true,mtp_self=1.0}`: it trains only the head's own weights,
 on the teacher's head and on the trunk that verifies its drafts.
+
+`mtp-match-attention` gives the head's attention the trunk's heads, for the engines that build the head's
+attention from the model's top-level fields (TensorRT-LLM): a search may prune the trunk's attention, and
+the head then follows, before its recovery.
 """
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ import sys
 from dataclasses import field
 from typing import ClassVar
 
-from .core import ComputePass, PassError, Preserved, pipeline_data, register
+import torch
+
+from .core import ComputePass, Pass, PassError, Preserved, pipeline_data, register
 from .distill import teacher_program
 
 
@@ -61,3 +67,59 @@ class MTPCheck(ComputePass):
                             f"teacher's {theirs:.3f} by more than tolerance={self.tolerance} (floor {floor:.3f}); "
                             "recover it with distill{head_only=true,mtp_self=1.0} before mtp-check")
         return Preserved.all()
+
+
+@register("mtp-match-attention")
+class MTPMatchAttention(Pass):
+    """Shrink the MTP head's attention to the trunk's query and KV heads when `engine` builds the head's
+    attention from the top level (tensorrt-llm, all): KV heads merged into their means where the query heads
+    stay (Puzzle's GQA reduction), else whole KV groups kept by the weight of their output columns."""
+
+    engine: str = "all"
+
+    def run(self, prog, am):
+        from .puzzle.engines import get_engine
+
+        head = prog.find("mtp")
+        if not get_engine(self.engine).head_from_top or not head:
+            return Preserved.all()
+        node = head[0]
+        trunk = {(n.op.q_heads, n.op.kv_heads, n.op.head_dim) for n in prog.find("attention")}
+        mine = [(i, b) for i, b in enumerate(node.op.blocks) if b.kind == "attention"]
+        if len(trunk) != 1 or not mine:
+            return Preserved.all()  # nothing to match (a trunk that differs by layer no such engine loads)
+        q, kv, d = trunk.pop()
+        blocks, weights = list(node.op.blocks), {}
+        for i, b in mine:
+            if (b.q_heads, b.kv_heads, b.head_dim) == (q, kv, d):
+                continue
+            if b.quant:
+                raise PassError(f"mtp-match-attention: {node.path} is quantised; match its attention before quantize")
+            axis = _matching(b, q, kv, d, node.path)
+            local = {k: prog.weights.get(f"{node.path}.layers.{i}.{k}") for k in b.params()}
+            keep = torch.arange(kv)
+            if axis == "kv_heads":  # the KV groups whose query heads write the most into the residual
+                o = local["mixer.o_proj.weight"].float()
+                keep = o.reshape(o.shape[0], b.kv_heads, -1).pow(2).sum((0, 2)).topk(kv).indices.sort().values
+            blocks[i], shrunk = b.shrink(axis, keep, local)
+            weights.update({f"layers.{i}.{k}": v for k, v in shrunk.items() if "_proj." in k})
+        if not weights:
+            return Preserved.all()
+        prog.rewrite(node, op=node.op.replace(blocks=tuple(blocks)), weights=weights)
+        am.reports.setdefault("mtp-match-attention", []).append({"path": node.path, "q_heads": q, "kv_heads": kv})
+        print(f"mtp-match-attention: {node.path}'s attention now has the trunk's {q} query / {kv} KV heads; "
+              "recover the head with distill{head_only=true}", file=sys.stderr)
+        return Preserved.weights_only()
+
+
+def _matching(b, q: int, kv: int, d: int, where: str) -> str:
+    """The axis whose shrink takes the head's attention block `b` to q query / kv KV heads of size d."""
+    if d == b.head_dim and kv <= b.kv_heads:
+        if q == b.q_heads and b.kv_heads % kv == 0:
+            return "kv_merge"
+        if q * b.kv_heads == b.q_heads * kv:  # whole groups: their query heads follow their KV head
+            return "kv_heads"
+    raise PassError(f"mtp-match-attention: {where} has attention of {b.q_heads} query / {b.kv_heads} KV heads of "
+                    f"{b.head_dim}, the trunk {q} / {kv} of {d}; only merging or dropping whole KV groups reaches "
+                    "it: prune the trunk's attention that way, or serve with an engine that reads the head's own "
+                    "fields (--engine vllm or sglang)")

@@ -261,7 +261,10 @@ def write_report(out) -> Path:
     mtp = {}
     if checks:  # the pipeline measures after the trunk's distillation and again after head-only recovery
         mtp["teacher"] = checks[0]["teacher_acceptance"]
-        mtp["after trunk distillation"] = checks[0]["acceptance"]
+        matched = reports.get("mtp-match-attention")  # the head's attention shrunk to the trunk's before this
+        mtp["after trunk distillation" + (f" (head attention matched: {matched[-1]['q_heads']} query / "
+                                          f"{matched[-1]['kv_heads']} KV heads)" if matched else "")] = \
+            checks[0]["acceptance"]
         if len(checks) > 1:
             mtp["after head-only recovery"] = checks[-1]["acceptance"]
     dep = plan["deployment"]

@@ -9,8 +9,8 @@ must then agree across layers (docs/engines.md has the code each rule was read f
 - SGLang reads an MLP's width from the top level only; TensorRT-LLM reads per layer only the MoE fields, so
   attention heads and MLP widths agree across layers, and its MoE routing kernel takes top-k <= 8 below 385
   experts; it builds the MTP head's attention from the top level too, so its profile also keeps the trunk's
-  attention to the head's (`all` does not yet: pruned attention would need the head's attention pruned alike,
-  and `check-serving` reports such a child as one TensorRT-LLM does not load);
+  attention to the head's (`all` lets the search prune attention and then prunes the head's alike,
+  `mtp-match-attention`, which compress runs before the head's recovery);
 - all three split heads and widths over the tensor-parallel devices and assert that they divide
   (`split_refusal`): a search over a multi-GPU target keeps to the layouts the parent splits over and to the
   choices that split over the layout chosen;
@@ -67,6 +67,7 @@ class EngineProfile:
     mtp: tuple[str, ...] | None = None  # the MTP head's block kinds; None: any
     rules: tuple[Rule, ...] = ()  # kernel-shape rules on each layer's choice
     mtp_from_top: bool = False  # the MTP head's layers are built from the top level, like the uniform kinds
+    head_from_top: bool = False  # some engine builds the head's attention from the top level: mtp-match-attention
 
     def uniform_groups(self, kinds) -> tuple[str, ...]:
         """The search's uniform groups ("kind.attr+attr") for the block kinds present."""
@@ -115,7 +116,8 @@ def _every(name: str, profiles: list[EngineProfile]) -> EngineProfile:
     return EngineProfile(name, sum((p.engines for p in profiles), ()),
                          uniform=tuple(dict.fromkeys(u for p in profiles for u in p.uniform)),
                          blocks=profiles[0].blocks, mtp=profiles[0].mtp,
-                         rules=tuple(dict.fromkeys(r for p in profiles for r in p.rules)))
+                         rules=tuple(dict.fromkeys(r for p in profiles for r in p.rules)),
+                         head_from_top=any(p.head_from_top for p in profiles))
 
 
 MAMBA = ("mamba2", ("heads", "head_dim", "state", "groups"))
@@ -128,6 +130,7 @@ PROFILES = {
                             **_PUBLISHED),
     "tensorrt-llm": EngineProfile("tensorrt-llm", ("TensorRT-LLM",), uniform=(MAMBA, ATTENTION, MLP),
                                   rules=(_nvfp4_latent, _nvfp4_width, _routing_top_k), mtp_from_top=True,
+                                  head_from_top=True,
                                   **_PUBLISHED),
 }
 PROFILES["all"] = _every("all", list(PROFILES.values()))
