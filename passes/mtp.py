@@ -109,7 +109,7 @@ class MTPMatchAttention(Pass):
         am.reports.setdefault("mtp-match-attention", []).append({"path": node.path, "q_heads": q, "kv_heads": kv})
         print(f"mtp-match-attention: {node.path}'s attention now has the trunk's {q} query / {kv} KV heads; "
               "recover the head with distill{head_only=true}", file=sys.stderr)
-        return Preserved.weights_only()
+        return Preserved.none()  # the head's spec and its tensors both changed
 
 
 def _matching(b, q: int, kv: int, d: int, where: str) -> str:
