@@ -62,12 +62,14 @@ def _wrap_route(mixer, hook):
 @analysis("cost")  # weights matter too: measured routing and quantized weights
 def cost_analysis(prog: Program, am: AnalysisManager, target: str = "h100", scenario: str = "decode-heavy",
                   recipe: str = "", measured_routing: bool = False) -> dict:
-    """The cost model's report (backends/cost/) for a target and a named scenario, in its best layout; with
-    measured_routing, MoE decode reads the experts the `routing` analysis saw being chosen."""
+    """The cost model's report (backends/cost/) for a target and a named scenario, in its best layout the serving
+    engines split the model over (as `puzzlekit cost` and the search price); with measured_routing, MoE decode
+    reads the experts the `routing` analysis saw being chosen."""
     from ..backends.cost import best_layout, get_scenario
 
     routing = {k: v for k, v in am.get("routing").items() if not k.startswith("mtp")} if measured_routing else None
-    return best_layout(prog, target, get_scenario(scenario, recipe=recipe or None), routing=routing)[1].to_json()
+    return best_layout(prog, target, get_scenario(scenario, recipe=recipe or None), routing=routing,
+                       engines=True)[1].to_json()
 
 
 @register("verify")

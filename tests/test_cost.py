@@ -346,6 +346,22 @@ def test_cost_analysis_in_the_pass_manager():
     assert math.isfinite(first["decode_step_seconds"])
 
 
+def test_the_cost_analysis_prices_only_layouts_the_engines_split():
+    """A pass asking `am.get("cost")` gets what `puzzlekit cost` prints: the built-in model's 2 Mamba groups do not
+    split over tp4 or tp8, so those layouts carry no figures and the best is one the engines split."""
+    from puzzlekit.backends.cost.layouts import unsplit
+    from puzzlekit.backends.layout import Layout
+    from puzzlekit.passes import AnalysisManager
+    from puzzlekit.tools.default_model import load_default
+
+    prog = load_default()
+    got = AnalysisManager(prog).get("cost", target="8xh100", scenario="chat")
+    rows = {r["layout"]: r for r in got["layouts"]}
+    assert "2 Mamba groups over tp8" in rows["tp8"]["unservable"] and "throughput" not in rows["tp8"]
+    assert not unsplit(prog, Layout.parse(got["layout"]))
+    assert all(("unservable" in r) == bool(unsplit(prog, Layout.parse(k))) for k, r in rows.items())
+
+
 def test_measured_routing_statistics_feed_the_cost():
     from puzzlekit.passes import AnalysisManager
     from puzzlekit.tools.default_model import load_default
