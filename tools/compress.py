@@ -52,7 +52,8 @@ def pipeline_text(template: str, args, out: Path, library: Path) -> str:
     constraints += [f"engine={args.engine}"]
     recipe = deploy_recipe(args.target)
     values = {"library": library, "library_budget": budget["library"] + (f",grid={args.grid}" if args.grid else ""),
-              "rounds": rounds, "engine": args.engine, "target": args.target, "scenario": args.scenario, "constraints": ",".join(constraints),
+              "rounds": rounds, "engine": args.engine, "target": args.target, "scenario": args.scenario,
+              "constraints": ",".join(constraints),
               "round_steps": max(1, math.ceil(steps / rounds)), "distill_budget": budget["distill"],
               "work": out / "work", "head_steps": args.head_steps or budget["head_steps"],
               "mtp_tolerance": args.mtp_tolerance if args.mtp_tolerance is not None else 1.0 if args.quick else 0.1,

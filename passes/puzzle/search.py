@@ -293,9 +293,8 @@ class Search:
         for t, span in enumerate(spans):
             if (t, span) not in self._alone:
                 rows = self._rows(t, span, self.c)
-                self._alone[t, span] = lower_bound(Problem(self.layer, self.score, {k: r.costs for k, r in rows.items()},
-                                                           {k: r.bound - r.fixed for k, r in rows.items()},
-                                                           uniform=self.uniform))
+                costs, limits = {k: r.costs for k, r in rows.items()}, {k: r.bound - r.fixed for k, r in rows.items()}
+                self._alone[t, span] = lower_bound(Problem(self.layer, self.score, costs, limits, uniform=self.uniform))
             lows.append(self._alone[t, span])
         return None if None in lows else max(lows)
 
