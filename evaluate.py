@@ -195,28 +195,68 @@ def mtp_drafter(model) -> Drafter:
     return draft
 
 
+def _state_slice(model, kind: str) -> slice:
+    """Where the node of `kind`'s decode state lies in the flat state tuple (see ProgramModule.state_names)."""
+    i = 0
+    for n in model.program.nodes:
+        cnt = len(n.op.state_shapes()) if n.op.is_block or n.op.kind == "mtp" else 0
+        if n.op.kind == kind:
+            return slice(i, i + cnt)
+        i += cnt
+    raise ValueError(f"the model has no {kind} node")
+
+
+def _cached_mtp_drafter(model):
+    """The MTP head drafting from the decode state: the head's own state after the committed tokens (its KV
+    cache, the trunk state of the last one), then one head step per draft, its output standing in for the trunk
+    state of the drafted token. Drafts what `mtp_drafter` drafts, without running the sequence again."""
+    node = next(n for n in model.program.nodes if n.op.kind == "mtp")
+    head, where = model.get_submodule(node.path), _state_slice(model, "mtp")
+
+    def draft(seq, bonus: int, k: int, state) -> list[int]:
+        hs = tuple(state[where])
+        tok, out = bonus, []
+        for _ in range(k):
+            ids = torch.tensor([[tok]], device=hs[0].device)
+            with model.compute.autocast():
+                z, st = head._stack(hs[0][:, None], ids, hs, True)
+                logits = head.shared[1](head.layers[-1].final_layernorm(z))
+            tok = int(logits[0, -1].argmax())
+            out.append(tok)
+            hs = (z[:, -1], *st[1:])
+        return out
+
+    return draft
+
+
 @torch.no_grad()
 def acceptance_length(model, prompts: torch.Tensor, k: int, new_tokens: int, drafter: Drafter | None = None) -> float:
     """Mean tokens produced per trunk verification step of greedy self-speculative decoding.
 
     Each step takes the trunk's next token, drafts k more, and keeps the drafts up to the first that
-    differs from the trunk's own greedy choice: a perfect drafter gives k + 1, a useless one 1.
-    """
-    drafter = drafter or mtp_drafter(model)
+    differs from the trunk's own greedy choice: a perfect drafter gives k + 1, a useless one 1. The trunk runs
+    from its decode state (as a serving engine does): a prompt is read once, each step verifies its k + 1
+    tokens as one chunk, and a rejection re-reads just the kept ones from the state before the step. The
+    default drafter is the MTP head, from the same state."""
+    draft = _cached_mtp_drafter(model) if drafter is None else (lambda seq, bonus, k, state: drafter(seq, bonus, k))
     lengths = []
     for prompt in prompts:
         seq = prompt.clone()
-        bonus = int(_outputs(model, seq[None])[0][0, -1].argmax())
+        outs, state = model.prefill(seq[None])
+        bonus = int(_checked(outs, model, "")[0][0, -1].argmax())
         produced = 0
         while produced < new_tokens:
-            drafts = drafter(seq, bonus, k)
-            cand = torch.cat([seq, torch.tensor([bonus] + drafts)])
-            greedy = _outputs(model, cand[None])[0][0, len(seq):].argmax(-1).tolist()  # after bonus, d1, ..., dk
+            drafts = draft(seq, bonus, k, state)
+            chunk = torch.tensor([[bonus] + drafts])
+            outs, verified = model.prefill(chunk, state)
+            greedy = _checked(outs, model, "")[0][0].argmax(-1).tolist()  # after bonus, d1, ..., dk
             accepted = 0
             while accepted < k and drafts[accepted] == greedy[accepted]:
                 accepted += 1
             lengths.append(accepted + 1)
-            seq = cand[: len(seq) + 1 + accepted]
+            kept = chunk[:, : accepted + 1]
+            state = verified if accepted == k else model.prefill(kept, state)[1]
+            seq = torch.cat([seq, kept[0]])
             bonus = greedy[accepted]
             produced += accepted + 1
     return float(np.mean(lengths))

@@ -82,8 +82,14 @@ class PuzzlekitLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
+        """What a text with nothing before it is scored after (rolling log-likelihood, an empty context): BOS,
+        else EOS, as lm-eval's `hf` model takes; a tokenizer with neither is refused (`hf` fails on None)."""
         if self.hf is not None and self.hf.bos_token_id is not None:
             return self.hf.bos_token_id
+        if self.eot_token_id is None:
+            raise UsageError(f"the tokenizer {self.codec.name} has neither a BOS nor an EOS token, and lm-eval scores "
+                             "a text with nothing before it (rolling log-likelihood, an empty context) after one of "
+                             "them: give the tokenizer a bos_token or eos_token (tokenizer_config.json)")
         return self.eot_token_id
 
     @property
@@ -118,6 +124,10 @@ class PuzzlekitLM(TemplateLM):
         """(sum of the continuation's log-probabilities, whether it is the greedy continuation) per request."""
         rows = []
         for _, context, continuation in requests:
+            if len(continuation) > self.max_length:  # lm-eval's `hf` model asserts this; a line saying so instead
+                raise UsageError(f"a continuation (an answer) of {len(continuation):,} tokens is longer than the "
+                                 f"model's context of {self.max_length:,} tokens: it cannot be scored; give the "
+                                 "model a longer max_length (model_args max_length=N), or leave out the task")
             whole = (list(context) + list(continuation))[-(self.max_length + 1):]
             rows.append((whole[:-1], len(continuation)))
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))  # long first: even batches
@@ -165,7 +175,7 @@ class PuzzlekitLM(TemplateLM):
                                  "(do_sample/temperature): run it with --model hf, or set its generation_kwargs")
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            eot = self.tok_decode([self.eot_token_id])
+            eot = self.tok_decode([self.eot_token_id]) if self.eot_token_id is not None else ""  # no EOS: the stops
             if eot and eot not in until:
                 until.append(eot)
             n = int(kwargs.get("max_gen_toks", self.max_gen_toks))

@@ -1,6 +1,9 @@
-"""One output policy for every command that writes a directory.
+"""One output policy for every command that writes a directory or a file.
 
-- An output may not be an input, hold an input (a parent of one) or sit inside an input directory.
+- An output may not be an input, hold an input (a parent of one) or sit inside an input directory. The inputs
+  are the ones a writer names (a program's checkpoint) and every path the command was given to read
+  (`declared_inputs`: --data, --tokenizer, --teacher, --library, --cost-table, --include-path, task data, ...),
+  so no writer anywhere can replace a file the user owns.
 - It is checked before the work starts: an existing output needs `overwrite`, the path may not lie below
   a regular file, and its directory must be writable and have room (a probe directory is created).
 - It is written into a hidden staging directory beside it and put in place in one step. On Linux the
@@ -15,12 +18,13 @@ import ctypes
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import PuzzlekitError
+from .errors import PuzzlekitError, UsageError
 
 STAGING = ".puzzlekit-staging"  # infix of staging directory names: .{name}{STAGING}.{pid}.{random}
 
@@ -36,6 +40,55 @@ def _existing_ancestor(path: Path) -> Path:
     return Path("/")
 
 
+#: the running command's input paths and the option that named each (declared_inputs)
+_DECLARED: list[tuple[Path, str]] = []
+
+
+@contextmanager
+def declared_inputs(named: Iterable[tuple[str, str]]) -> Iterator[None]:
+    """For the block's duration, every (path, option) pair is an input no output may touch (check_inputs, and
+    so check_output and staged_dir everywhere). Paths that do not exist are skipped (a hub id, a dataset name:
+    nothing on disk to lose); one that is neither a file nor a directory is refused now, from its status alone
+    (a FIFO is never opened)."""
+    before = list(_DECLARED)
+    try:
+        declare(named)
+        yield
+    finally:
+        _DECLARED[:] = before
+
+
+def declare(named: Iterable[tuple[str, str]]) -> None:
+    """Adds inputs to the running command's (see declared_inputs): task data found once the tasks load."""
+    for path, option in named:
+        p = Path(path)
+        try:
+            mode = os.stat(p).st_mode
+        except OSError:
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UsageError(f"{option} {path} is not a regular file or a directory (a FIFO, device or socket); "
+                             "puzzlekit reads its inputs from files: write the stream to a file first")
+        _DECLARED.append((p.resolve(), option))
+
+
+def check_inputs(out, inputs: Iterable = (), own: Iterable = ()) -> Path:
+    """Refuses an output (a directory or a file) that equals, contains or lies inside an input: one of `inputs`
+    or of the command's declared ones, except the paths in `own` (files of a run that the run itself wrote and
+    reads back, such as a compress run's cost table)."""
+    out = Path(out).resolve()
+    mine = {Path(p).resolve() for p in own}
+    for src, option in [(Path(p).resolve(), "") for p in inputs] + list(_DECLARED):
+        if src in mine:
+            continue
+        named = f"the input {src}" + (f" ({option})" if option else "")
+        if out == src or src.is_relative_to(out):
+            raise OutputError(f"output {out} would replace {named}; choose another output")
+        if src.is_dir() and out.is_relative_to(src):
+            raise OutputError(f"output {out} lies inside {named}; choose an output outside it")
+    return out
+
+
 def check_output(out, inputs: Iterable = (), overwrite: bool = False, need_bytes: int = 0) -> Path:
     """Refuses an output that would eat an input or cannot be written; returns its resolved path.
 
@@ -43,12 +96,7 @@ def check_output(out, inputs: Iterable = (), overwrite: bool = False, need_bytes
     out = Path(out).resolve()
     if out.parent.is_dir():
         clean_stale(out)
-    for src in inputs:
-        src = Path(src).resolve()
-        if out == src or src.is_relative_to(out):
-            raise OutputError(f"output {out} would replace the input {src}; choose another output directory")
-        if src.is_dir() and out.is_relative_to(src):
-            raise OutputError(f"output {out} lies inside the input {src}; choose a directory outside it")
+    check_inputs(out, inputs)
     if out.exists() and not out.is_dir():
         raise OutputError(f"output {out} is a file; the output must be a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -166,8 +214,15 @@ def write_text(path: Path, text: str) -> None:
 
 def cache_dir(kind: str) -> Path:
     """Where puzzlekit keeps what it can make again (`tokens`, `onnx`, op timings): $PUZZLEKIT_CACHE, by default
-    ~/.cache/puzzlekit."""
-    return Path(os.environ.get("PUZZLEKIT_CACHE", Path.home() / ".cache" / "puzzlekit")) / kind
+    ~/.cache/puzzlekit. A cache path that is (or lies below) something other than a directory is refused."""
+    given = os.environ.get("PUZZLEKIT_CACHE")
+    root = Path(given or Path.home() / ".cache" / "puzzlekit")
+    base = _existing_ancestor(root / kind)
+    if not base.is_dir():
+        where = "PUZZLEKIT_CACHE" if given else "the cache directory"
+        raise OutputError(f"{where} {root}: {base} is a file, not a directory; point PUZZLEKIT_CACHE at a directory "
+                          "(or remove the file)")
+    return root / kind
 
 
 def write_json(path: Path, data) -> None:

@@ -23,6 +23,14 @@ class TokenizerError(UsageError):
     """No tokenizer for a model, one that does not fit it, or two models that do not share one."""
 
 
+class TemplateError(TokenizerError):
+    """The tokenizer's chat template cannot render a conversation (a role it refuses, a broken template)."""
+
+
+#: how documents and prompts get BOS and EOS (HFTokenizer.document, _bos_for): part of every tokenizer's identity
+JOIN_RULE = "bos-unless-present+text+eos/1"
+
+
 def plain_chat(messages: list[dict], generation_prompt: bool = False) -> str:
     """A conversation as role-tagged plain text, for a tokenizer without a chat template (as Model Optimizer's
     data tools render it)."""
@@ -42,6 +50,13 @@ class ByteCodec:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8", errors="surrogateescape"), dtype=np.uint8)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    def document(self, ids, text: str) -> np.ndarray:
+        """A document as it is joined: its bytes, then a blank line."""
+        return np.concatenate([ids, self.separator])
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -86,7 +101,9 @@ class HFTokenizer:
 
         self.directory = Path(path)
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            # no remote code: a child's config names its model code (auto_map), which a tokenizer never needs, and
+            # transformers would otherwise print a prompt about it on stdout
+            self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         except Exception as e:  # transformers raises OSError, ValueError, ... for what it cannot read
             raise TokenizerError(f"cannot read a tokenizer from {path} ({type(e).__name__}: {str(e).splitlines()[0]}); "
                                  "pass --tokenizer with the directory holding the model's tokenizer files") from None
@@ -109,7 +126,8 @@ class HFTokenizer:
     def identity(self) -> str:
         """What decides the ids a text gets (the cache key of tokenized data)."""
         spec = self._backend_spec or json.dumps(sorted(self.tok.get_vocab().items()))
-        return hashlib.sha256(f"{spec}|{self.bos_id}|{self.eos_id}".encode()).hexdigest()
+        template = json.dumps(getattr(self.tok, "chat_template", None), sort_keys=True)
+        return hashlib.sha256(f"{spec}|{self.bos_id}|{self.eos_id}|{template}|{JOIN_RULE}".encode()).hexdigest()
 
     @cached_property
     def vocab_hash(self) -> str:
@@ -137,7 +155,12 @@ class HFTokenizer:
     def render_chat(self, messages: list[dict], generation_prompt: bool = False) -> str:
         if not getattr(self.tok, "chat_template", None):
             return plain_chat(messages, generation_prompt)
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        try:
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as e:  # jinja2's TemplateError (raise_exception, a syntax error), a TypeError in it, ...
+            first = (str(e).splitlines() or [""])[0][:200]
+            raise TemplateError(f"the chat template of {self.name} cannot render it ({type(e).__name__}: {first})") \
+                from None
 
     def document(self, ids: list[int], text: str) -> list[int]:
         """A document's ids as it is joined: the BOS the tokenizer adds (unless the text already starts with
@@ -179,6 +202,9 @@ def load_tokenizer(path) -> HFTokenizer:
 
     local = resolve(str(path), "tokenizer")
     key = str(local.resolve())
+    if local.is_dir():  # an edited file (a chat template) is read anew
+        key += "".join(f"|{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(local.iterdir())
+                       if f.is_file() and not f.name.endswith(".safetensors"))
     if key not in _LOADED:
         if not local.is_dir() or not has_tokenizer(local):
             raise TokenizerError(f"{path} holds no tokenizer (tokenizer.json, tokenizer_config.json or "

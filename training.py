@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import PuzzlekitError, UsageError
+from .eta import Remaining
 from .outputs import atomic_file
 
 
@@ -388,6 +389,7 @@ def fit(model: torch.nn.Module, step_loss: Callable[..., tuple[torch.Tensor, dic
     start, log = time.monotonic(), []
     model.train()
     bar = tqdm(total=schedule.steps, initial=step, desc=desc, disable=not (progress and write), leave=False)
+    left = Remaining(desc, schedule.steps - step, unit="step", enabled=progress and write)
 
     def save():
         bad = nonfinite_parameters(model)
@@ -443,6 +445,7 @@ def fit(model: torch.nn.Module, step_loss: Callable[..., tuple[torch.Tensor, dic
         step += 1
         log.append({"step": step, "lr": lr, **parts})
         bar.update(1)
+        left.done()
         bar.set_postfix(postfix(parts) if postfix else {k: f"{v:.4g}" for k, v in parts.items()})
         stopped = any([bool(cb.on_step(step, parts)) for cb in callbacks])  # every callback runs
         timed_out = max_seconds and time.monotonic() - start > max_seconds

@@ -18,9 +18,13 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..errors import PuzzlekitError
+from ..errors import UsageError
 
 _FORM = re.compile(r"tp(\d+)(?:\.dp(\d+))?(?:\.ep(\d+))?(?:\.r(\d+))?")
+
+
+class LayoutError(UsageError):
+    """A layout written wrong or not a layout at all: the user's input, so exit 2."""
 
 
 @dataclass(frozen=True)
@@ -47,17 +51,17 @@ class Layout:
     def parse(cls, text: str) -> Layout:
         m = _FORM.fullmatch(text.strip())
         if not m:
-            raise PuzzlekitError(f"layout {text!r}: write tp<N>[.dp<N>][.ep<N>][.r<N>], e.g. tp8, tp8.ep8, "
+            raise LayoutError(f"layout {text!r}: write tp<N>[.dp<N>][.ep<N>][.r<N>], e.g. tp8, tp8.ep8, "
                                  "tp1.dp8.ep8 or tp2.r4")
         return cls(*(int(g) if g else 1 for g in m.groups())).check()
 
     def check(self) -> Layout:
         if min(self.tp, self.dp, self.ep, self.replicas) < 1:
-            raise PuzzlekitError(f"layout {self}: every degree must be >= 1")
+            raise LayoutError(f"layout {self}: every degree must be >= 1")
         if self.group % self.ep:
-            raise PuzzlekitError(f"layout {self}: ep={self.ep} must divide tp x dp = {self.group}")
+            raise LayoutError(f"layout {self}: ep={self.ep} must divide tp x dp = {self.group}")
         if self.dp > 1 and self.ep != self.group:
-            raise PuzzlekitError(f"layout {self}: attention data parallel feeds expert-parallel experts; use "
+            raise LayoutError(f"layout {self}: attention data parallel feeds expert-parallel experts; use "
                                  f"ep{self.group} (tp x dp)")
         return self
 
@@ -129,20 +133,23 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def split_refusal(op, layout, recipes: str = "") -> str:
+def split_refusal(op, layout, recipes: str = "", replicated_groups: bool = True) -> str:
     """Why `op` does not split over `layout` the way the engines split it when they load it (each asserts
-    these), or "": Mamba heads, and groups unless one group is replicated (not under quantization), by tp;
-    attention query heads by tp and KV heads by tp or tp by them (then replicated); dense and shared-expert
-    widths by tp; an expert's width by the devices that split it (tp x dp / ep)."""
+    these), or "": Mamba heads by tp, and groups by tp unless one group is replicated (vLLM's `MambaMixer2`,
+    unquantized only; `replicated_groups=False` for TensorRT-LLM, whose `Mamba2Mixer` takes `n_groups // tp_size`
+    with no replication); attention query heads by tp and KV heads by tp or tp by them (then replicated); dense
+    and shared-expert widths by tp; an expert's width by the devices that split it (tp x dp / ep)."""
     tp = layout.tp
     if op.kind == "mtp":
-        return next((why for b in op.blocks if (why := split_refusal(b, layout, recipes))), "")
+        return next((why for b in op.blocks if (why := split_refusal(b, layout, recipes, replicated_groups))), "")
     quantized = "fp8" in recipes or "nvfp4" in recipes
     if op.kind == "mamba2":
         if op.heads % tp:
             return f"{op.heads} Mamba heads over tp{tp}"
-        if op.groups % tp and (op.groups > 1 or quantized):
-            return f"{op.groups} Mamba groups over tp{tp} (one group is replicated, unquantized only)"
+        if op.groups % tp and (op.groups > 1 or quantized or not replicated_groups):
+            why = "one group is replicated, unquantized only" if replicated_groups else \
+                "TensorRT-LLM splits groups as n_groups // tp, never replicated"
+            return f"{op.groups} Mamba groups over tp{tp} ({why})"
     if op.kind == "attention":
         if op.q_heads % tp:
             return f"{op.q_heads} query heads over tp{tp}"

@@ -9,6 +9,12 @@ over the attention-DP ranks, `srt/mem_cache/kv_cache_configurator.py`), TensorRT
 (`tensorrt_llm/commands/serve.py`, YAML keys of `llmapi/llm_args.py`: `KvCacheConfig.dtype`,
 `mamba_ssm_cache_dtype`, `enable_attention_dp`; with attention DP each rank schedules its own batch, so
 `max_batch_size` is given per rank: read from its executor, not run).
+
+The context asked for never exceeds the checkpoint's `max_position_embeddings` (vLLM's
+`ModelConfig._get_and_verify_max_len` and SGLang's `ModelConfig._derive_context_length` refuse more unless an
+override variable is set); vLLM gets `--max-num-batched-tokens` beside `--max-num-seqs`, since
+`SchedulerConfig.verify_max_model_len` refuses fewer batched tokens than sequences and its default (2,048 on GPUs
+under 70 GiB) would refuse a priced batch above it.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import PuzzlekitError
+from ..ir.hf_fields import DEFAULT_CONTEXT, served_context
 from .layout import Layout
 
 ENGINES = ("vllm", "sglang", "tensorrt-llm")
@@ -33,6 +40,9 @@ SSM_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bflo
 KV_AUTO, KV_FP8 = ("bf16", "fp16", "fp32"), ("fp8",)
 #: TensorRT-LLM's NemotronH refuses other TP sizes unless attention DP is on (_torch/models/modeling_nemotron_h.py)
 TRTLLM_TP = (1, 2, 4, 8)
+#: vLLM's default `max_num_batched_tokens` for its API server on GPUs of 70 GiB or more
+#: (`EngineArgs.get_batch_defaults`); written at least this, and enough for every priced sequence's draft tokens
+VLLM_BATCHED_TOKENS = 8192
 BREAK = " \\\n    "  # a shell line continued before a flag
 
 
@@ -55,6 +65,11 @@ class Serving:
     def _per_rank(self) -> int:
         return self.layout.requests_per_group(self.max_batch)
 
+    def batched_tokens(self) -> int:
+        """vLLM's tokens per scheduler step: each priced sequence with its drafts (vLLM refuses fewer than
+        `--max-num-seqs`), and never below its own default for a large GPU."""
+        return max(VLLM_BATCHED_TOKENS, self._per_rank() * (1 + self.drafts))
+
     def vllm(self) -> list[str]:
         L = self.layout
         argv = ["vllm", "serve", self.model, "--trust-remote-code", "--tensor-parallel-size", str(L.tp)]
@@ -64,7 +79,8 @@ class Serving:
         if self.drafts:
             spec = {"method": "mtp", "num_speculative_tokens": self.drafts}
             argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
-        return argv + ["--max-model-len", str(self.context_len), "--max-num-seqs", str(self._per_rank())]
+        return argv + ["--max-model-len", str(self.context_len), "--max-num-seqs", str(self._per_rank()),
+                       "--max-num-batched-tokens", str(self.batched_tokens())]
 
     def sglang(self) -> list[str]:
         L = self.layout  # SGLang's TP group spans the attention-DP groups: attention TP = tp_size / attn_dp_size
@@ -155,20 +171,29 @@ class Serving:
 
     def to_json(self) -> dict:
         return {"model": self.model, "layout": str(self.layout), "context_len": self.context_len,
-                "max_batch": self.max_batch, "kv_cache_dtype": self.kv_dtype, "ssm_cache_dtype": self.ssm_dtype,
+                "max_batch": self.max_batch, "vllm_max_num_batched_tokens": self.batched_tokens(),
+                "kv_cache_dtype": self.kv_dtype, "ssm_cache_dtype": self.ssm_dtype,
                 "mtp_draft_tokens": self.drafts, "priced_draft_tokens": self.priced_drafts,
                 "files": ["serve.sh", TRTLLM_YAML], "commands": {e: self.argv(e) for e in ENGINES},
                 "notes": {e: self.engine_notes(e) for e in ENGINES}}
+
+
+def _config(checkpoint) -> dict:
+    try:
+        cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ServingError(f"{checkpoint}: no readable config.json ({e}); the serving commands read the checkpoint's "
+                           "MTP head and context from it") from None
+    if not isinstance(cfg, dict):
+        raise ServingError(f"{checkpoint}/config.json is not a JSON object")
+    return cfg
 
 
 def has_mtp(source) -> bool:
     """Whether the model has an MTP head: a Program, or a checkpoint directory (its config.json)."""
     if hasattr(source, "find"):
         return bool(source.find("mtp"))
-    try:
-        cfg = json.loads((Path(source) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ServingError(f"{source}: no readable config.json to tell whether it has an MTP head ({e})") from None
+    cfg = _config(source)
     return bool(cfg.get("num_nextn_predict_layers") or cfg.get("mtp_block_configs"))
 
 
@@ -206,6 +231,13 @@ def serving(source, checkpoint, layout: Layout | str, scenario, max_batch: int, 
     if layout.replicas > 1:
         notes.append(f"layout {layout}: run one server per replica ({layout.replicas}), each on its own {layout.group} "
                      "GPU(s) (CUDA_VISIBLE_DEVICES) and port, behind a load balancer")
-    return Serving(str(Path(checkpoint).resolve()), layout, scenario.context_len, max(1, math.ceil(max_batch)),
+    cfg = _config(checkpoint)
+    context = min(scenario.context_len, held := served_context(cfg))
+    if context < scenario.context_len:
+        stated = ("its max_position_embeddings" if cfg.get("max_position_embeddings") else
+                  f"it states no max_position_embeddings, so the engines assume {DEFAULT_CONTEXT:,}")
+        notes.append(f"scenario {scenario.name} priced a {scenario.context_len:,}-token context, but the checkpoint "
+                     f"holds {held:,} ({stated}); the engines refuse more, so these commands ask for {context:,}")
+    return Serving(str(Path(checkpoint).resolve()), layout, context, max(1, math.ceil(max_batch)),
                    "fp8" if scenario.kv_dtype in KV_FP8 else "auto", SSM_DTYPES[ssm], int(drafts), tuple(notes),
                    scenario.mtp_draft)

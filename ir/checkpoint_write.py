@@ -15,6 +15,7 @@ from .program import Program
 from .checkpoint_config import EXTENDED, EXTENDED_ARCHITECTURE, INDEX, program_from_config, spec_to_dict
 from . import nemotron_h_puzzle as puzzle
 from .companions import copy_companions
+from .hf_fields import context_of
 from .quant import modelopt
 from .verifier import problems
 from .weights import stored_tensors
@@ -43,10 +44,12 @@ def configs(prog: Program, extended: bool = False) -> tuple[dict, dict | None]:
         raise CheckpointError(f"save: node {opaque[0].path} is opaque (traced, unrecognised); "
                               "register its module class with puzzlekit.register_module to save it")
     mtp = prog.find("mtp")
-    kept = {k: v for k, v in prog.meta.get("config", {}).items()
-            if k in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")}
+    config = prog.meta.get("config", {})
+    kept = {k: v for k, v in config.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    context = context_of(config)  # the parent's, else the window it was trained on: the engines read it
     common = {
         **kept,
+        **({"max_position_embeddings": context} if context else {}),
         "vocab_size": emb[0].op.vocab,
         "hidden_size": emb[0].op.hidden,
         "layer_norm_epsilon": norm[0].op.eps,

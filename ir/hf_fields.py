@@ -22,7 +22,8 @@ FIELD_TYPES = {
                      "ssm_state_size", "n_groups", "mamba_n_groups", "conv_kernel", "chunk_size", "n_routed_experts",
                      "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
                      "moe_latent_size", "n_shared_experts", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "num_nextn_predict_layers", "n_group", "topk_group"), _INT),
+                     "intermediate_size", "num_nextn_predict_layers", "n_group", "topk_group",
+                     "max_position_embeddings"), _INT),
     **dict.fromkeys(("layer_norm_epsilon", "routed_scaling_factor"), _NUM),
     **dict.fromkeys(("tie_word_embeddings", "use_conv_bias", "norm_topk_prob", "attention_bias", "mlp_bias",
                      "use_bias", "mamba_proj_bias"), _BOOL),
@@ -35,6 +36,27 @@ FIELD_TYPES = {
 _BOUNDS = {"layer_norm_epsilon": (lambda v: v > 0, "> 0")}
 #: transformers' JSON spelling of an infinite float (json has none)
 INFINITY = {"__float__": "Infinity"}
+#: the context a config without `max_position_embeddings` gets from transformers' NemotronHConfig and SGLang's
+DEFAULT_CONTEXT = 4096
+
+
+def context_of(cfg: dict) -> int | None:
+    """The context a checkpoint holds: its `max_position_embeddings`, else the window puzzlekit trained it on
+    (`provenance.training.config.seq`, the built-in model's), else None (the engines then assume
+    DEFAULT_CONTEXT, and TensorRT-LLM, which reads the field itself, does not load it)."""
+    stated = cfg.get("max_position_embeddings")
+    if stated is not None:
+        return stated
+    trained = (((cfg.get("provenance") or {}).get("training") or {}).get("config") or {}).get("seq")
+    return trained if type(trained) is int and trained > 0 else None
+
+
+def served_context(cfg: dict) -> int:
+    """The longest context an engine serves the checkpoint at without an override variable: its
+    `max_position_embeddings`, DEFAULT_CONTEXT when unset (vLLM's `_get_and_verify_max_len`, SGLang's
+    `ModelConfig._derive_context_length` refuse more)."""
+    stated = cfg.get("max_position_embeddings")
+    return stated if type(stated) is int and stated > 0 else DEFAULT_CONTEXT
 
 
 def _limit_value(v):
@@ -167,9 +189,12 @@ def fields_of(op: OpSpec) -> dict:
     """The NemotronHConfig fields that describe a block (the inverse of `spec_of`, `hidden_size` and
     `layer_norm_epsilon` aside, which the whole model shares)."""
     if isinstance(op, Mamba2):
+        # dt's clamp only where it is not the default (0, inf): the published configs carry no such field, and
+        # its infinity is transformers' own JSON encoding, a dict to every reader that json.loads the file
+        clamp = {"time_step_limit": [op.dt_min, INFINITY]} if op.dt_min else {}
         return {"mamba_num_heads": op.heads, "mamba_head_dim": op.head_dim, "ssm_state_size": op.state,
                 "n_groups": op.groups, "conv_kernel": op.conv, "chunk_size": op.chunk, "use_conv_bias": op.conv_bias,
-                "time_step_limit": [op.dt_min, INFINITY]}
+                **clamp}
     if isinstance(op, MoE):
         return {"n_routed_experts": op.experts, "num_experts_per_tok": op.top_k, "moe_intermediate_size": op.d_ff,
                 "moe_shared_expert_intermediate_size": op.shared_d_ff, "moe_latent_size": op.latent or None,

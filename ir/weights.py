@@ -299,6 +299,35 @@ class WeightStore:
             return FP8Tensor(t["data"], t["scale"], e.dtype)
         return e
 
+    def get_many(self, names: list[str]) -> list:
+        """`get` of each name, with the plain lazy ones read in as few reads as their files allow: entries of
+        one file whose bytes follow each other (a layer's experts, as checkpoints store them) come in one read
+        of their whole span, and each tensor is a view of it (or a cast, where the store casts on read)."""
+        out = [None] * len(names)
+        runs: dict[Path, list] = {}
+        for i, n in enumerate(names):
+            e = self._entries[n]
+            if isinstance(e, _Lazy) and e.end > e.start:
+                runs.setdefault(e.file, []).append((e.start, i, e))
+            else:
+                out[i] = self.get(n)
+        for file, items in runs.items():
+            items.sort(key=lambda x: x[0])
+            start = 0
+            while start < len(items):
+                end = start + 1  # extend the run while the next entry starts where this one ends
+                while end < len(items) and items[end][2].start == items[end - 1][2].end:
+                    end += 1
+                run = items[start:end]
+                first, last = run[0][2], run[-1][2]
+                buf = _Lazy(file, first.key, (last.end - first.start,), torch.uint8, first.start, last.end).read()
+                for _, i, e in run:
+                    raw = buf[e.start - first.start:e.end - first.start]
+                    t = raw.view(e.stored or e.dtype).reshape(e.shape)
+                    out[i] = t if e.stored is None else t.to(e.dtype)
+                start = end
+        return out
+
     def equal(self, a: str, b: str) -> bool:
         """Whether two weights hold the same values; lazy ones stored alike compare bytes in bounded chunks."""
         x, y = self._entries[a], self._entries[b]

@@ -7,8 +7,9 @@ below the teacher's. Recovery is `distill{head_only=true,mtp_self=1.0}`: it trai
 on the teacher's head and on the trunk that verifies its drafts.
 
 `mtp-match-attention` gives the head's attention the trunk's heads, for the engines that build the head's
-attention from the model's top-level fields (TensorRT-LLM): a search may prune the trunk's attention, and
-the head then follows, before its recovery.
+attention (TensorRT-LLM) or its KV pool (SGLang) from the model's top-level fields: a search may prune the trunk's
+attention, and the head then follows, before its recovery, from a start that keeps each query head's attention
+as nearly as the merged KV heads allow.
 """
 from __future__ import annotations
 
@@ -71,37 +72,42 @@ class MTPCheck(ComputePass):
 
 @register("mtp-match-attention")
 class MTPMatchAttention(Pass):
-    """Shrink the MTP head's attention to the trunk's query and KV heads when `engine` builds the head's
-    attention from the top level (tensorrt-llm, all): KV heads merged into their means where the query heads
-    stay (Puzzle's GQA reduction), else whole KV groups kept by the weight of their output columns."""
+    """Shrink the MTP head's attention to the trunk's heads when `engine` builds the head's attention from the top
+    level (tensorrt-llm and all: query heads, KV heads, head size; sglang: its KV pool's KV heads and head size):
+    KV heads merged where the query heads stay (`_merge_kv`), else whole KV groups kept by the weight of their
+    output columns."""
 
     engine: str = "all"
 
     def run(self, prog, am):
         from .puzzle.engines import get_engine
 
-        head = prog.find("mtp")
-        if not get_engine(self.engine).head_from_top or not head:
+        head, profile = prog.find("mtp"), get_engine(self.engine)
+        if not profile.head_from_top or not head:
             return Preserved.all()
         node = head[0]
-        trunk = {(n.op.q_heads, n.op.kv_heads, n.op.head_dim) for n in prog.find("attention")}
+        # the attributes the engines read from the top level: all three (TensorRT-LLM), or the KV pool's (SGLang)
+        attrs = {a for kind, names in profile.uniform if kind == "attention" for a in names}
+        trunk = {tuple(getattr(n.op, a) for a in sorted(attrs)) for n in prog.find("attention")}
         mine = [(i, b) for i, b in enumerate(node.op.blocks) if b.kind == "attention"]
         if len(trunk) != 1 or not mine:
             return Preserved.all()  # nothing to match (a trunk that differs by layer no such engine loads)
-        q, kv, d = trunk.pop()
+        want = dict(zip(sorted(attrs), trunk.pop()))
         blocks, weights = list(node.op.blocks), {}
         for i, b in mine:
+            q, kv, d = (want.get(a, getattr(b, a)) for a in ("q_heads", "kv_heads", "head_dim"))
             if (b.q_heads, b.kv_heads, b.head_dim) == (q, kv, d):
                 continue
             if b.quant:
                 raise PassError(f"mtp-match-attention: {node.path} is quantised; match its attention before quantize")
             axis = _matching(b, q, kv, d, node.path)
             local = {k: prog.weights.get(f"{node.path}.layers.{i}.{k}") for k in b.params()}
-            keep = torch.arange(kv)
-            if axis == "kv_heads":  # the KV groups whose query heads write the most into the residual
+            if axis == "kv_merge":
+                blocks[i], shrunk = _merge_kv(b, kv, local)
+            else:  # the KV groups whose query heads write the most into the residual
                 o = local["mixer.o_proj.weight"].float()
                 keep = o.reshape(o.shape[0], b.kv_heads, -1).pow(2).sum((0, 2)).topk(kv).indices.sort().values
-            blocks[i], shrunk = b.shrink(axis, keep, local)
+                blocks[i], shrunk = b.shrink(axis, keep, local)
             weights.update({f"layers.{i}.{k}": v for k, v in shrunk.items() if "_proj." in k})
         if not weights:
             return Preserved.all()
@@ -110,6 +116,41 @@ class MTPMatchAttention(Pass):
         print(f"mtp-match-attention: {node.path}'s attention now has the trunk's {q} query / {kv} KV heads; "
               "recover the head with distill{head_only=true}", file=sys.stderr)
         return Preserved.none()  # the head's spec and its tensors both changed
+
+
+def _merge_kv(b, kv: int, w: dict):
+    """Attention block `b` with its KV heads merged into `kv`, each query head keeping its scores and values as
+    nearly as a shared head allows: the merged K (and V) projection spans the top `head_dim` right singular vectors
+    of its group's stacked projections, and each old head's map onto it (K_g ~ M_g K', V_g ~ N_g V') moves into
+    that head's queries (q -> M_g^T q) and output columns (o -> o N_g). No positional encoding sits between, so
+    the scores are q.k exactly as before wherever the group's projections span `head_dim` rows; the mean merge
+    (Puzzle's GQA reduction) is the special case M_g = N_g = I."""
+    D, H, r = b.head_dim, b.hidden, b.kv_heads // kv
+    rep = b.q_heads // b.kv_heads
+    out = {k: v.clone() for k, v in w.items()}
+    q = out["mixer.q_proj.weight"].reshape(b.kv_heads, rep, D, H)
+    o = out["mixer.o_proj.weight"].reshape(H, b.kv_heads, rep, D)
+    merged = {}
+    for name, into in (("k", "q"), ("v", "o")):
+        proj = w[f"mixer.{name}_proj.weight"]
+        old = proj.double().reshape(kv, r, D, H)
+        new = []
+        for j in range(kv):
+            _, sv, vt = torch.linalg.svd(old[j].reshape(r * D, H), full_matrices=False)
+            shared = (sv[:D, None] / r ** 0.5) * vt[:D]  # [D, H], the scale of the mean merge
+            new.append(shared)
+            for g in range(r):
+                m = old[j, g] @ torch.linalg.pinv(shared)  # [D, D]: K_g ~ m @ K'
+                h = j * r + g
+                if into == "q":
+                    q[h] = (m.T @ q[h].double()).to(q.dtype)
+                else:
+                    o[:, h] = (o[:, h].double() @ m).to(o.dtype)
+        merged[name] = torch.cat(new).to(proj.dtype)
+    out["mixer.k_proj.weight"], out["mixer.v_proj.weight"] = merged["k"], merged["v"]
+    out["mixer.q_proj.weight"] = q.reshape(b.q_heads * D, H)
+    out["mixer.o_proj.weight"] = o.reshape(H, b.q_heads * D)
+    return b.replace(kv_heads=kv), out
 
 
 def _matching(b, q: int, kv: int, d: int, where: str) -> str:

@@ -74,8 +74,9 @@ def test_the_quick_head_only_stage_has_its_own_budget_and_its_figures_are_printe
 def test_a_cost_table_is_refused_where_it_cannot_apply(tmp_path, capsys):
     from puzzlekit.tools.cli import main
 
-    out = tmp_path / "run"
-    assert main(["compress", "--quick", "--target", "h100", "--cost-table", str(tmp_path), "-o", str(out)]) == 2
+    out, tables = tmp_path / "run", tmp_path / "tables"
+    tables.mkdir()
+    assert main(["compress", "--quick", "--target", "h100", "--cost-table", str(tables), "-o", str(out)]) == 2
     assert "priced analytically" in capsys.readouterr().err
     assert main(["compress", "--quick", "--target", "cpu", "--cost-table", str(tmp_path / "no.json"), "-o",
                  str(out)]) == 2

@@ -1,12 +1,12 @@
-"""The eager kernels against their export forms and brute force: routed MoE (looped with gradients, grouped
-over stacked weights without), fused attention, the chunk-by-chunk scan, importance's re-routing damage,
+"""The eager kernels against their export forms and brute force: routed MoE (stacked experts in batched
+products, with and without gradients), fused attention, the chunk-by-chunk scan, importance's re-routing damage,
 per-expert calibration and inference weights held in the compute dtype."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from puzzlekit.backends.torch import hold_in, materialize, stack_experts
+from puzzlekit.backends.torch import hold_in, materialize
 from puzzlekit.ir.ops import Attention, Mamba2, MoE
 from puzzlekit.ir.ops.base import relu2, use_export_form
 from puzzlekit.passes.puzzle.importance import _moe_stats, _Sums
@@ -42,43 +42,46 @@ def test_routed_moe_equals_every_expert_form(name):
     use_export_form(dense)
     with torch.no_grad():
         want, want_dec = dense(x)[0], dense(x[:, :1], None, True)[0]
-    looped = block(x)[0]  # gradients on: one GEMM pair per expert
+    with_grad = block(x)[0]  # gradients on
     with torch.no_grad():
-        stack_experts(block.mixer)
-        assert block.mixer.stacked() is not None
-        grouped, grouped_dec = block(x)[0], block(x[:, :1], None, True)[0]
+        routed, routed_dec = block(x)[0], block(x[:, :1], None, True)[0]
     assert want.abs().max() > 0.1
-    for got in (looped, grouped):
+    for got in (with_grad, routed):
         assert _rel(got, want) < TOL
-    assert _rel(grouped_dec, want_dec) < TOL
+    assert _rel(routed_dec, want_dec) < TOL
+
+
+def _expert(mixer, j, rows):
+    """Expert j alone, written out from its two stacked matrices (the brute-force oracle)."""
+    return relu2(rows @ mixer.experts.up_proj[j].T) @ mixer.experts.down_proj[j].T
 
 
 def test_routed_moe_runs_each_expert_on_its_tokens_only():
-    """The work follows top-k: every expert sees exactly the tokens that chose it, and no other."""
+    """The work follows top-k: every expert sees exactly the tokens that chose it, and its output for each of
+    them is that expert's alone (brute force, one expert at a time)."""
     spec = MOES["plain"]
     block = _block(spec)
     x = torch.randn(40, spec.hidden, generator=torch.Generator().manual_seed(2))
     chosen, _ = block.mixer.route(x)
-    seen = {}
-    hooks = [e.up_proj.register_forward_hook(lambda m, a, o, j=j: seen.__setitem__(j, a[0].shape[0]))
-             for j, e in enumerate(block.mixer.experts)]
-    with torch.no_grad():  # unstacked, without gradients: the per-expert loop, whose calls the hooks see
-        block.mixer(x[None])
-    for h in hooks:
-        h.remove()
-    want = {j: int((chosen == j).sum()) for j in range(spec.experts) if (chosen == j).any()}
-    assert seen == want and sum(seen.values()) == 40 * spec.top_k
-
-
-def test_stacking_ends_when_the_weights_are_replaced():
-    block = _block(MOES["plain"])
-    stack_experts(block.mixer)
-    assert block.mixer.stacked() is not None
-    block.to(torch.float64)  # a cast gives every expert a new tensor: the stacked copy is stale
-    assert block.mixer.stacked() is None
-    x = torch.randn(1, 9, 32, dtype=torch.float64)
+    seen = []
     with torch.no_grad():
-        block(x)  # runs (the per-expert loop)
+        out = block.mixer.expert_outputs(x, chosen, lambda ids, rows, a: seen.append((ids, rows, a)))
+        (ids, rows, a), = seen
+        assert torch.equal(torch.bincount(ids, minlength=spec.experts), torch.bincount(chosen.reshape(-1),
+                                                                                        minlength=spec.experts))
+        assert len(ids) == 40 * spec.top_k and bool((ids[1:] >= ids[:-1]).all())  # sorted by expert
+        for n in range(40):
+            for slot in range(spec.top_k):
+                want = _expert(block.mixer, int(chosen[n, slot]), x[n:n + 1])[0]
+                assert _rel(out[n, slot], want) < TOL
+
+
+def test_a_layer_of_many_experts_is_a_few_modules_and_parameters():
+    """512 experts are two stacked parameters, not 1,024 modules: the module tree does not grow with them."""
+    small, large = (MoE(hidden=16, experts=e, top_k=2, d_ff=8, shared_d_ff=8).build() for e in (4, 512))
+    assert len(list(large.modules())) == len(list(small.modules()))
+    assert len(list(large.parameters())) == len(list(small.parameters()))
+    assert large.mixer.experts.up_proj.shape == (512, 8, 16) and large.mixer.experts.down_proj.shape == (512, 16, 8)
 
 
 def test_moe_calibration_amax_is_per_expert_over_its_tokens():
@@ -90,10 +93,10 @@ def test_moe_calibration_amax_is_per_expert_over_its_tokens():
         block.mixer(x[None])
     stats = block.mixer.__dict__.pop("calib")
     chosen, _ = block.mixer.route(x)
-    for j, e in enumerate(block.mixer.experts):
+    for j in range(spec.experts):
         rows = x[(chosen == j).any(-1)]
         up = rows.abs().amax() if len(rows) else torch.tensor(0.0)
-        down = relu2(e.up_proj(rows)).abs().amax() if len(rows) else torch.tensor(0.0)
+        down = relu2(rows @ block.mixer.experts.up_proj[j].T).abs().amax() if len(rows) else torch.tensor(0.0)
         assert torch.allclose(stats["up"][j], up) and torch.allclose(stats["down"][j], down.detach())
 
 
@@ -109,7 +112,7 @@ def test_importance_damage_equals_rerouting_by_brute_force(name):
         _moe_stats(block.mixer, h, acc)
         flat = h.reshape(-1, spec.hidden)
         lat = block.mixer.fc1_latent_proj(flat) if spec.latent else flat
-        every = torch.stack([e.down_proj(relu2(e.up_proj(lat))) for e in block.mixer.experts], 1)  # [n, E, w]
+        every = torch.stack([_expert(block.mixer, j, lat) for j in range(spec.experts)], 1)  # [n, E, w]
 
         def routed(bias):
             chosen, w = block.mixer.route(flat, bias)
@@ -123,7 +126,7 @@ def test_importance_damage_equals_rerouting_by_brute_force(name):
             damage.append((routed(mask)[0] - y).pow(2).sum())
     assert torch.equal(acc.sums["routing"], chosen.double().sum(0))
     assert _rel(acc.sums["damage"], torch.stack(damage).double()) < TOL
-    a = torch.stack([relu2(e.up_proj(lat)) for e in block.mixer.experts], 1)  # [n, E, d_ff]
+    a = torch.stack([relu2(lat @ block.mixer.experts.up_proj[j].T) for j in range(spec.experts)], 1)  # [n, E, d_ff]
     assert _rel(acc.sums["d_ff"], (a.abs() * chosen[..., None]).sum(0).double().detach()) < TOL
 
 
@@ -167,8 +170,8 @@ def test_inference_weights_are_cast_once_to_the_same_numbers(make_small_program)
     dtypes = {n: p.dtype for n, p in held.named_parameters()}
     assert all(d == torch.bfloat16 for n, d in dtypes.items() if n.endswith(("proj.weight", "conv1d.weight")))
     assert all(d == torch.float32 for n, d in dtypes.items() if "norm" in n or ".gate." in n)
-    mixers = [m for m in held.modules() if hasattr(m, "stacked")]
-    assert mixers and all(m.stacked() is not None and m.stacked()[0].dtype == torch.bfloat16 for m in mixers)
+    experts = [d for n, d in dtypes.items() if n.endswith(("experts.up_proj", "experts.down_proj"))]
+    assert experts and all(d == torch.bfloat16 for d in experts)
     with torch.no_grad():
         a, b = held(ids), cast(ids)
     for x, y in zip(a, b):
@@ -197,12 +200,15 @@ def test_routed_moe_gradients_equal_the_every_expert_form(dtype):
         assert _rel(got, want) < tol
 
 
-def test_streamed_layers_stack_their_experts_in_the_dtype_they_compute_in(make_small_program):
-    """A bf16 checkpoint read in float32 (importance, scoring): the experts are stacked after the cast, so the
-    float32 passes run the grouped GEMMs too."""
+def test_streamed_layers_hold_their_experts_in_the_dtype_they_compute_in(make_small_program):
+    """A bf16 checkpoint read in float32 (importance, scoring): the stacked experts are float32, with the
+    checkpoint's values expert by expert."""
     from puzzlekit.backends.torch.stream import StreamedProgram
 
     prog = make_small_program(dtype=torch.bfloat16)
     node = prog.blocks("moe")[0]
     mixer = StreamedProgram(prog, dtype=torch.float32).module(node).mixer
-    assert mixer.stacked() is not None and mixer.stacked()[0].dtype == torch.float32
+    assert mixer.experts.up_proj.dtype == torch.float32
+    for j in range(node.op.experts):
+        stored = prog.weights.get(f"{node.path}.mixer.experts.{j}.up_proj.weight")
+        assert torch.equal(mixer.experts.up_proj[j], stored.float())

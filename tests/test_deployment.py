@@ -101,7 +101,7 @@ def test_cost_takes_a_workload_and_a_scenario_file(tmp_path, capsys):
     assert len(tried) == 13 and 0 < len(priced) < 13
     assert json.loads(out)["throughput_tokens_per_second"] == max(x["throughput"] for x in priced)
     for argv, code, message in ((["--layout", "tp16"], 1, "layout tp16 uses 16 GPUs"),
-                                (["--layout", "8"], 1, "tp<N>"), (["--mtp"], 2, "--mtp-acceptance"),
+                                (["--layout", "8"], 2, "tp<N>"), (["--mtp"], 2, "--mtp-acceptance"),
                                 (["--mtp", "--mtp-acceptance", "9"], 1, r"in \[1, 4\]")):
         rc, _, err = _run(capsys, "cost", "--target", "8xh100", "--scenario", str(f), *argv)
         assert rc == code and re.search(message, err), (argv, rc, err)

@@ -75,8 +75,11 @@ def test_each_engine_constrains_what_it_reads_from_the_top_level(meta_lib):
     parent, lib = meta_lib
     kinds = {"mamba2", "moe", "attention", "mlp"}
     assert _search(lib, parent, "vllm").uniform.keys() == {"mamba2.heads+head_dim+state+groups"}
-    assert set(_search(lib, parent, "sglang").uniform) == {"mamba2.heads+head_dim+state+groups", "mlp.d_ff"}
-    assert set(_search(lib, parent, "tensorrt-llm").uniform) == set(PROFILES["all"].uniform_groups(kinds))
+    # SGLang: MLP widths from the top level, and one KV pool shape for every attention layer
+    assert set(_search(lib, parent, "sglang").uniform) == {"mamba2.heads+head_dim+state+groups", "mlp.d_ff",
+                                                           "attention.kv_heads+head_dim"}
+    assert set(_search(lib, parent, "tensorrt-llm").uniform) | {"attention.kv_heads+head_dim"} == \
+        set(PROFILES["all"].uniform_groups(kinds))
     assert {r["kind"] for r in _search(lib, parent, "vllm").rows} == kinds
     assert {r["kind"] for r in _search(lib, parent, "none").rows} == kinds | {"noop", "linear"}
 

@@ -247,7 +247,12 @@ def _held_dtypes(model, prog) -> tuple[set, set]:
 
 
 def _matmul_weights(model) -> set:
-    return {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))}
+    """The weights of the model's GEMMs and convolutions: Linear and Conv1d weights, routed experts' stacks."""
+    from puzzlekit.ir.ops.routed import RoutedExperts
+
+    return ({f"{n}.weight" for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))}
+            | {f"{n}.{side}" for n, m in model.named_modules() if isinstance(m, RoutedExperts)
+               for side in ("up_proj", "down_proj")})
 
 
 def test_the_frozen_teacher_is_held_in_the_compute_dtype_and_computes_the_same_numbers(parent):

@@ -16,7 +16,7 @@ from transformers.models.nemotron_h import modeling_nemotron_h as hfm  # noqa: E
 
 import puzzlekit  # noqa: E402
 from puzzlekit import ir  # noqa: E402
-from puzzlekit.backends.torch import materialize  # noqa: E402
+from puzzlekit.backends.torch import checkpoint_state, materialize  # noqa: E402
 from puzzlekit.ir.ops import MTP, Attention, MoE  # noqa: E402
 
 VOCAB, H = 64, 32
@@ -110,22 +110,26 @@ def test_loaded_checkpoint_matches_transformers(ckpt, b, t):
 
 
 def test_loaded_weights_are_transformers_weights(ckpt):
-    """Every tensor of the model reaches the Program (experts unstacked), with the same values."""
+    """Every tensor of the model reaches the Program (experts unstacked, one per expert), with the same values,
+    and the module holds the routed experts stacked under transformers' own names."""
     _, d, model = ckpt
     prog = ir.load(d)
-    ours = materialize(prog).state_dict()
+    module = materialize(prog)
+    ours, stacked = checkpoint_state(module), module.state_dict()
     n = 0
     for name, t in model.state_dict().items():
         key = name.replace("model.", "backbone.", 1) if name.startswith("model.") else name
+        assert torch.equal(stacked[key], t), key
         if key.endswith(("mixer.experts.up_proj", "mixer.experts.down_proj")):
             base, leaf = key.rsplit(".", 1)
             for j in range(t.shape[0]):
+                assert torch.equal(prog.weights.get(f"{base}.{j}.{leaf}.weight"), t[j]), key
                 assert torch.equal(ours[f"{base}.{j}.{leaf}.weight"], t[j]), key
                 n += 1
         else:
             assert torch.equal(ours[key], t), key
             n += 1
-    assert n == len(ours)
+    assert n == len(ours) == len(prog.weights) and len(stacked) == len(model.state_dict())
 
 
 # -- MTP ---------------------------------------------------------------------------------------------------------

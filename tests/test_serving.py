@@ -18,10 +18,10 @@ BASH = shutil.which("bash")
 
 
 def _ckpt(tmp_path, mtp: bool = True):
-    """A checkpoint directory as `save` writes its config (all the commands read of it)."""
+    """A checkpoint directory as `save` writes its config (all the commands read of it: the head, the context)."""
     d = tmp_path / ("my model" if mtp else "no head")  # a space: the commands must quote the path
     d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps({"model_type": "nemotron_h_puzzle",
+    (d / "config.json").write_text(json.dumps({"model_type": "nemotron_h_puzzle", "max_position_embeddings": 2**21,
                                                "num_nextn_predict_layers": int(mtp)}))
     return d
 
@@ -44,7 +44,7 @@ def test_single_gpu_commands_carry_exactly_the_priced_settings(tmp_path):
     assert _flags(s.vllm(), 3) == {
         "--trust-remote-code": True, "--tensor-parallel-size": "1", "--kv-cache-dtype": "auto",
         "--mamba-ssm-cache-dtype": "float32", "--speculative-config": '{"method":"mtp","num_speculative_tokens":3}',
-        "--max-model-len": "1024", "--max-num-seqs": "48"}
+        "--max-model-len": "1024", "--max-num-seqs": "48", "--max-num-batched-tokens": "8192"}
     assert s.sglang()[:3] == ["python", "-m", "sglang.launch_server"]
     assert _flags(s.sglang(), 3) == {
         "--model-path": model, "--trust-remote-code": True, "--tp-size": "1", "--kv-cache-dtype": "auto",

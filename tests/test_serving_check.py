@@ -30,7 +30,10 @@ def _verdicts(d, **kw):
 
 def test_each_engine_reads_the_child_as_its_code_does(child):
     v = _verdicts(child)
-    assert v["vllm"].loads and v["sglang"].loads, (v["vllm"].problems, v["sglang"].problems)
+    assert v["vllm"].loads, v["vllm"].problems
+    # SGLang builds layer 3's attention per layer, but its one KV pool takes the top level's 2 KV heads
+    (pool,) = v["sglang"].problems
+    assert pool.startswith("backbone.layers.3: 1 KV heads of 32") and "one KV pool" in pool
     assert not v["tensorrt-llm"].loads
     trt, head = v["tensorrt-llm"].problems
     assert trt.startswith("backbone.layers.3 (attention)") and "num_key_value_heads=2 (holds 1)" in trt
@@ -99,14 +102,16 @@ def test_sglang_builds_mamba_groups_from_mamba_n_groups(child, tmp_path):
     d = _rewrite_config(child, tmp_path / "groups", lambda cfg: cfg.pop("mamba_n_groups"))
     v = _verdicts(d)
     assert v["vllm"].loads
-    assert len(v["sglang"].problems) == 5 and all("n_groups=8 (holds 2)" in p for p in v["sglang"].problems)
+    groups = [p for p in v["sglang"].problems if "KV pool" not in p]  # the child's KV pool problem aside
+    assert len(groups) == 5 and all("n_groups=8 (holds 2)" in p for p in groups)
 
 
 @pytest.mark.parametrize("layout,ok", [("tp2", True), ("tp4", False), ("tp8.ep8", False)])
 def test_a_layout_whose_tp_does_not_divide_the_heads_is_refused(child, layout, ok):
     v = _verdicts(child, engines=("vllm", "sglang"), layout=Layout.parse(layout))
     for engine, verdict in v.items():
-        assert verdict.loads == ok, (engine, verdict.problems)
+        split = [p for p in verdict.problems if "KV pool" not in p]  # SGLang's KV pool refuses the child anyway
+        assert not split == ok, (engine, verdict.problems)
     if not ok:
         assert any("6 Mamba heads over tp" in p for p in v["vllm"].problems)
 

@@ -95,6 +95,7 @@ def test_scenario_files_take_the_settings_and_refuse_a_state_dtype_no_engine_ser
 def test_the_serving_commands_carry_the_priced_state_dtype(parent, tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "nemotron_h_puzzle"}')  # the serving commands read its context
     sc = get_scenario("decode-heavy", ssm_dtype="bf16")
     s = serving(parent, ckpt, "tp1", sc, 8)
     assert s.ssm_dtype == "bfloat16"

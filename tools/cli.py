@@ -6,12 +6,13 @@ import argparse
 import os
 import sys
 
+from ..data import HELD_OUT
 from ..errors import PuzzlekitError, UsageError
 from ..memory import return_freed_memory
-from ..outputs import OutputError
+from ..outputs import OutputError, declared_inputs
 from . import deploy, program, text
 from .common import (MAX_TOKENS, OPSETS, add_compute_arguments, add_text_arguments, add_workload_arguments,
-                     nonneg_float, number, positive_float, positive_int, token_count)
+                     check_outputs, input_paths, nonneg_float, number, positive_float, positive_int, token_count)
 from .compress import add_parsers as add_compress_parsers
 from .puzzle import EXTENDED_HELP, add_plan_parser
 from .puzzle import add_parser as add_library_parser
@@ -57,7 +58,11 @@ def parser() -> argparse.ArgumentParser:
                                     "agreement")
     e.add_argument("model", nargs="?", help=model_help)
     e.add_argument("--teacher", help="a second model: report KL(teacher || model) and top-1 agreement")
-    e.add_argument("--windows", type=positive_int, default=64, help="held-out windows to score (at most)")
+    e.add_argument("--windows", type=positive_int, help="windows to score, at most (default: with --data the whole "
+                                                         "file; otherwise, and with --held-out, 64)")
+    e.add_argument("--held-out", choices=HELD_OUT, metavar="SET",
+                   help="score only one held-out set of the text (scoring, selection or report), as a run that "
+                        "trained or chose on the same --data saw it (default without --data: report)")
     e.add_argument("--seq", type=number(int, 2), default=256, help="window length (>= 2)")
     e.add_argument("--k", type=token_count, default=3, help="tokens drafted per step by the MTP head")
     e.add_argument("--prompts", type=positive_int, default=4, help="prompts for the speculative-decoding measurement")
@@ -113,6 +118,8 @@ def parser() -> argparse.ArgumentParser:
     cs.add_argument("--engine", choices=["vllm", "sglang", "tensorrt-llm", "all"], default="all")
     cs.add_argument("--layout", help="a parallel layout to check the splits of: tp2, tp8.ep8, tp1.dp8.ep8, ...")
     cs.add_argument("--verbose", action="store_true", help="list every layer each engine builds")
+    cs.add_argument("--context", type=int, help="the context a serve command asks for: refused past the "
+                    "checkpoint's max_position_embeddings")
     cs.set_defaults(run=deploy.check_serving)
 
     g = sub.add_parser("generate", help="greedy generation from a text prompt, in the model's own tokenization")
@@ -150,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
 
     threads = torch.get_num_threads()  # a command sets its own (device.use_threads); a caller's is restored
     try:
-        return args.run(args)
+        with declared_inputs(input_paths(args)):  # every path it reads: no output may touch one
+            check_outputs(args)
+            return args.run(args)
     except KeyboardInterrupt:
         print(f"puzzlekit {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -45,6 +45,41 @@ positive_float, nonneg_float = number(float, 0, above=True), number(float, 0)
 token_count = number(int, 1, MAX_TOKENS)
 
 
+#: the options whose values are paths a command reads (as argparse names them), and how the user wrote each: no
+#: output may equal, contain or lie inside one (outputs.declared_inputs)
+INPUT_OPTIONS = {"model": "MODEL", "library": "--library", "parent": "--parent", "data": "--data",
+                 "tokenizer": "--tokenizer", "teacher": "--teacher", "cost_table": "--cost-table",
+                 "include_path": "--include-path", "grid": "--grid", "pipeline": "--pipeline", "plugin": "--plugin",
+                 "target": "--target", "scenario": "--scenario"}
+#: the options whose values are paths a command writes
+OUTPUT_OPTIONS = ("output", "report")
+
+
+def input_paths(args) -> list[tuple[str, str]]:
+    """(path, option) of every input path the command was given (see INPUT_OPTIONS)."""
+    out = []
+    for dest, option in INPUT_OPTIONS.items():
+        value = getattr(args, dest, None)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str) and v:
+                out.append((v, option))
+    return out
+
+
+def check_outputs(args) -> None:
+    """Before any work: each output the command writes (-o, --report) is refused when it equals, contains or lies
+    inside one of its inputs (outputs.check_inputs), except the run's own files (`owns`, under -o)."""
+    from ..outputs import check_inputs
+
+    if getattr(args, "command", None) == "report":  # `report OUT` reads the run it writes the report of
+        return
+    out = getattr(args, "output", None)
+    own = [Path(out) / name for name in getattr(args, "owns", ())] if out else []
+    for dest in OUTPUT_OPTIONS:
+        if isinstance(getattr(args, dest, None), str):
+            check_inputs(getattr(args, dest), own=own)
+
+
 def add_compute_arguments(parser) -> None:
     """`--device` and `--dtype` for a command that computes (see backends.torch.device)."""
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto: CUDA when available; "
@@ -208,6 +243,24 @@ def load_model(args, text: bool = False):
 def reads_text(passes) -> bool:
     """Whether a pipeline has a pass that runs the model on text (one with a `data` option), nested ones too."""
     return any(hasattr(p, "data") or reads_text(getattr(p, "body", None) or []) for p in passes)
+
+
+#: the held-out set each text pass measures on (data.HELD_OUT), the option that sets its window and what the window
+#: adds to it (one target token past the tokens read)
+HELD_OUT_USE = {"library": ("scoring", "seq", 1), "distill": ("selection", "seq", 1),
+                "mtp-check": ("report", "prompt_len", 0)}
+
+
+def check_held_out(passes, corpus) -> None:
+    """Before any work: every held-out set a pipeline's passes (nested ones too) will draw windows from holds one
+    (data.require_windows names the set, its tokens and what to change)."""
+    from ..data import require_windows
+
+    for p in passes:
+        if p.pass_name in HELD_OUT_USE:
+            role, option, plus = HELD_OUT_USE[p.pass_name]
+            require_windows(corpus, role, getattr(p, option) + plus, f"pass {p.pass_name}: {option}={getattr(p, option)}")
+        check_held_out(getattr(p, "body", None) or [], corpus)
 
 
 def file_hashes(src: Path) -> dict[str, str]:

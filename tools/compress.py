@@ -132,10 +132,13 @@ def compress(args, progress: bool = True) -> dict:
 
     compute_of(args)  # before any work: a device this machine lacks is a usage error
     _check_cost_table(args, Path(args.output))  # and a cost table that is not one
-    if getattr(args, "tasks", None):  # and a task whose data cannot be had
-        from .tasks import load_tasks, task_names
+    if getattr(args, "tasks", None):  # and a task whose data cannot be had, or options it cannot take
+        from .tasks import check_task_options, load_tasks, task_names
 
-        load_tasks(task_names(args.tasks), args.include_path)
+        check_task_options(load_tasks(task_names(args.tasks), args.include_path), args.num_fewshot)
+        from .common import check_outputs
+
+        check_outputs(args)  # the tasks' data files are inputs too
     if args.engine == "none" and not args.extended:
         raise UsageError("--engine none lets the search choose what no serving engine loads (noop or linear blocks, "
                          "Mamba layers that differ); add --extended to accept puzzlekit's extended form for such a child")
@@ -143,8 +146,9 @@ def compress(args, progress: bool = True) -> dict:
     src = model_path(args.model).resolve()
     if out.resolve() == src or src in out.resolve().parents or out.resolve() in src.parents:
         raise PuzzlekitError(f"-o {out} would write into or around the input model {src}; choose another directory")
-    parent = _parent(args, src)
+    parent, corpus = _parent(args, src)
     library = Path(args.library) if args.library else out / "library"
+    _check_held_out(args, out, library, corpus)
     args.scenario = _workload(args, out)
     with _pinned_cost_table(args, out):
         return _run(args, out, parent, library, progress)
@@ -160,8 +164,23 @@ def _parent(args, src: Path):
     parent = ir.load(src)
     set_tokenizer(parent, args.tokenizer)
     # tokenized once here (and cached on disk): every stage reads it
-    corpus_for(parent, args.data, progress=not args.json and sys.stderr.isatty())
-    return parent
+    return parent, corpus_for(parent, args.data, progress=not args.json and sys.stderr.isatty())
+
+
+def _check_held_out(args, out: Path, library: Path, corpus) -> None:
+    """Before any work: every held-out set the pipeline's passes and the report draw windows from holds one."""
+    from ..data import require_windows
+    from ..errors import read_text
+    from ..passes import parse_pipeline, resolve_pipeline
+    from ..passes.pipeline import PIPELINES_DIR
+    from .common import check_held_out
+    from .compress_outputs import PROMPT_LEN, REPORT_SEQ
+
+    template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
+    check_held_out(parse_pipeline(resolve_pipeline(pipeline_text(read_text(template_file, "pipeline", PuzzlekitError),
+                                                                  args, out, library))), corpus)
+    require_windows(corpus, "report", REPORT_SEQ + 1, "the report's figures")
+    require_windows(corpus, "report", PROMPT_LEN, "the report's MTP prompts")
 
 
 def _run_key(parent, args) -> str:
@@ -290,7 +309,7 @@ def run_report(args) -> int:
 
 
 def add_parsers(sub, model_help: str, positive_int, positive_float) -> tuple:
-    from .common import add_workload_arguments
+    from .common import add_workload_arguments, number
 
     c = sub.add_parser("compress", help="compress a model for a deployment target: search, distill, quantise, "
                                         "export, report (resumable)")
@@ -316,10 +335,10 @@ def add_parsers(sub, model_help: str, positive_int, positive_float) -> tuple:
     c.add_argument("--tasks", help="lm-evaluation-harness tasks to score parent and child on after the run "
                                    "(comma-separated; needs puzzlekit[eval]): a table and a plot in the report")
     c.add_argument("--task-limit", type=positive_int, help="--tasks: at most this many examples per task")
-    c.add_argument("--num-fewshot", type=int, help="--tasks: few-shot examples (default: the task's)")
+    c.add_argument("--num-fewshot", type=number(int, 0), help="--tasks: few-shot examples (default: the task's)")
     c.add_argument("--include-path", action="append", default=[], metavar="DIR",
                    help="--tasks: a folder of task YAMLs of your own (e.g. reading data on disk); repeatable")
-    c.set_defaults(run=run_compress)
+    c.set_defaults(run=run_compress, owns=("library", "cost-table.json"))  # a rerun's own files, read back
     r = sub.add_parser("report", help="write OUT/report/ (Markdown and plots) for a compress run")
     r.add_argument("output", help="a compress run directory")
     r.set_defaults(run=run_report)

@@ -135,11 +135,14 @@ def build_engine(args) -> int:
 
 
 def check_serving(args) -> int:
+    """Exit 0: every engine asked loads it; 1: one does not; 2 (raised): a usage error or no checkpoint at all."""
     from ..backends.layout import Layout
     from ..backends.serving_check import ENGINES, NAMES, check_serving as check
 
     engines = ENGINES if args.engine == "all" else (args.engine,)
-    verdicts = check(args.model, engines, Layout.parse(args.layout) if args.layout else None)
+    layout = Layout.parse(args.layout) if args.layout else None  # a bad layout is a usage error, before any reading
+    context = getattr(args, "context", None)  # --context N: the context a serve command asks for
+    verdicts = check(args.model, engines, layout, context)
     lines = []
     for v in verdicts:
         lines.append(f"{NAMES[v.engine]}: " + ("loads it" if v.loads else f"does NOT load it ({len(v.problems)} "
@@ -148,7 +151,8 @@ def check_serving(args) -> int:
         if args.verbose:
             lines += [f"    {x['layer']:<22} {x['kind']:<9} from {x['from']}: " +
                       ", ".join(f"{k} {val}" for k, val in x["fields"].items()) for x in v.layers]
-        lines += [f"  - {p}" for p in v.problems]
-    emit(args, {"model": str(args.model), "layout": args.layout, "loads": all(v.loads for v in verdicts),
-                "engines": [v.to_json() for v in verdicts]}, "\n".join(lines) + "\n")
+        lines += [f"  - {p}" for p in v.problems] + [f"  note: {n}" for n in v.notes]
+    emit(args, {"model": str(args.model), "layout": args.layout, "context": context,
+                "loads": all(v.loads for v in verdicts), "engines": [v.to_json() for v in verdicts]},
+         "\n".join(lines) + "\n")
     return 0 if all(v.loads for v in verdicts) else 1

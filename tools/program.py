@@ -7,7 +7,7 @@ import sys
 from ..memory import parse_size
 from ..outputs import check_output
 from ..errors import UsageError
-from .common import compute_of, emit, file_hashes, load_model, load_plugins, reads_text, versions
+from .common import check_held_out, compute_of, emit, file_hashes, load_model, load_plugins, reads_text, versions
 
 
 # -- commands ----------------------------------------------------------------------------------------------
@@ -55,6 +55,10 @@ def run(args) -> int:
     need = sum(f.stat().st_size for f in src.glob("*.safetensors")) if src.is_dir() else 0  # about the output's
     out = check_output(args.output, [src, *(args.data or [])], args.overwrite, need)  # before the work, not after
     prog = load_model(args, text=reads_text(passes))
+    if reads_text(passes):  # every held-out set the passes draw windows from, before any of them runs
+        from ..data import corpus_for
+
+        check_held_out(passes, corpus_for(prog, args.data))
     ins = Instrumentation(verify_each=args.verify_each, print_ir_after=args.print_ir_after,
                           progress=not args.json and sys.stderr.isatty())
     before = prog.param_counts()

@@ -1,14 +1,21 @@
 """`puzzlekit library`: build a model's block library (Puzzle's expensive, target-independent half)."""
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
+
+from ..outputs import atomic_file
 
 #: help of --extended (run, plan)
 EXTENDED_HELP = ("write puzzlekit's extended form (puzzlekit_nemotron_h) for programs the published nemotron_h_puzzle "
                  "schema cannot express (noop or linear blocks, Mamba layers that differ); no serving engine loads it")
 #: most solutions `plan --alternatives` asks for: each is one more MIP solve
 MAX_ALTERNATIVES = 100
+#: most speedups one `plan --sweep` plans at (each is a MIP solve)
+MAX_SWEEP_POINTS = 100
+#: what matplotlib writes, by suffix (`--report`)
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 #: size classes of the summary: a variant's parameters as a share of its parent block's, at most
 SIZE_CLASSES = ((0.25, "<=25%"), (0.5, "<=50%"), (0.75, "<=75%"), (0.999999, "<100%"))
 
@@ -37,8 +44,9 @@ def run_library(args) -> int:
     compute = compute_of(args)
     prog = load_model(args)
     if not prog.is_meta:  # a weightless library (a bare config) reads no text: no tokenizer needed
-        from ..tokenizer import tokenizer_of
-        tokenizer_of(prog)
+        from ..data import corpus_for, require_windows
+
+        require_windows(corpus_for(prog, args.data or None), "scoring", args.seq + 1, "library --seq")
     settings = LibrarySettings(calib_windows=args.calib_windows, score_windows=args.score_windows, seq=args.seq,
                                bld_tokens=args.bld_tokens, bld_lr=args.bld_lr, data=list(args.data or []))
     start = time.monotonic()
@@ -88,6 +96,9 @@ def run_plan(args) -> int:
     from ..errors import UsageError
     from .common import emit, scenario_of, warn_unrunnable_recipe
 
+    report_path(args)  # before any work, as the sweep's points are
+    if args.sweep:
+        sweep_points(args.sweep)
     lib = Library.open(args.library)
     parent = ir.load(args.parent or lib.manifest["parent"]["source"])
     lib.check(parent)
@@ -183,29 +194,65 @@ def add_plan_parser(sub, positive_int, positive_float):
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--extended", action="store_true", help=EXTENDED_HELP)
     p.add_argument("--sweep", metavar="LO:HI:STEP|X,Y,...", help="what-if: plan at each speedup of a range or list "
-                                                               "(one table; prices shared across the points)")
-    p.add_argument("--report", metavar="FILE.png", help="--sweep: plot score, parameters and throughput per point")
+                                                               "(one table; prices shared across the points; at most "
+                                                               f"{MAX_SWEEP_POINTS} points)")
+    p.add_argument("--report", metavar="FILE.png", help="--sweep: plot score, parameters and throughput per point "
+                                                        f"(a {', '.join(PLOT_SUFFIXES)} file in an existing folder)")
     p.set_defaults(run=run_plan)
     return p
 
 
 def sweep_points(text: str) -> list[float]:
-    """`1.2:2.0:0.2` (both ends included) or `1.2,1.5,2`: the speedups a sweep plans at, each > 0."""
+    """`1.2:2.0:0.2` (both ends included) or `1.2,1.5,2`: the speedups a sweep plans at, each finite and > 0, at
+    most MAX_SWEEP_POINTS: the count of a range is computed from its bounds before any point is made."""
     from ..errors import UsageError
 
+    usage = (f"--sweep {text!r}: give LO:HI:STEP (finite, 0 < LO <= HI, STEP > 0) or a comma list of finite "
+             f"speedups > 0, at most {MAX_SWEEP_POINTS} points, e.g. --sweep 1.2:2.0:0.2")
     try:
-        if ":" in text:
-            lo, hi, step = (float(x) for x in text.split(":"))
-            n = int(round((hi - lo) / step)) if step > 0 else -1
-            points = [round(lo + i * step, 9) for i in range(n + 1)]
-        else:
-            points = [float(x) for x in text.split(",") if x.strip()]
+        values = [float(x) for x in (text.split(":") if ":" in text else [x for x in text.split(",") if x.strip()])]
     except ValueError:
-        points = []
-    if not points or min(points) <= 0 or len(points) > 100:
-        raise UsageError(f"--sweep {text!r}: give LO:HI:STEP (HI >= LO, STEP > 0) or a comma list of speedups > 0, "
-                         "at most 100 points, e.g. --sweep 1.2:2.0:0.2")
+        raise UsageError(usage) from None
+    if not values or not all(math.isfinite(v) for v in values) or (":" in text and len(values) != 3):
+        raise UsageError(usage)
+    if ":" not in text:
+        points = values
+    else:
+        lo, hi, step = values
+        if step <= 0 or hi < lo:
+            raise UsageError(usage)
+        count = math.floor((hi - lo) / step + 1e-9) + 1
+        if count > MAX_SWEEP_POINTS:
+            raise UsageError(f"--sweep {text!r} makes {count:,} points; at most {MAX_SWEEP_POINTS}: take a larger "
+                             "STEP or a narrower range")
+        points = [round(lo + i * step, 9) for i in range(count)]
+    if min(points) <= 0 or len(points) > MAX_SWEEP_POINTS:
+        raise UsageError(usage)
     return points
+
+
+def report_path(args) -> Path | None:
+    """Before any work: `--report FILE` only with --sweep, in a folder that exists and can be written, with a
+    suffix matplotlib writes (the path written is the path given, and the one printed)."""
+    import os
+
+    from ..errors import UsageError
+
+    if not args.report:
+        return None
+    f = Path(args.report)
+    if not args.sweep:
+        raise UsageError("--report plots a sweep: give --sweep too (e.g. --sweep 1.2:2.0:0.2), or drop --report")
+    if f.is_dir():
+        raise UsageError(f"--report {f} is a directory; give a file name in it, e.g. {f / 'sweep.png'}")
+    if f.suffix.lower() not in PLOT_SUFFIXES:
+        raise UsageError(f"--report {f}: give a file name ending in {', '.join(PLOT_SUFFIXES)} (the plot's format)")
+    folder = f.parent
+    if not folder.is_dir():
+        raise UsageError(f"--report {f}: the folder {folder} does not exist; create it or choose another")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--report {f}: cannot write in {folder}; choose a writable folder")
+    return f
 
 
 def _sweep(args, lib, parent, targets, c) -> int:
@@ -235,9 +282,11 @@ def _sweep(args, lib, parent, targets, c) -> int:
         (f"{r['speedup']:g}", f"{r['objective']:.6g}", f"{r['params']:,}", f"{r['active']:,}",
          f"{r['throughput_ratio']:.3f}", r["layout"], str(r["batch"])) if r["feasible"] else
         (f"{r['speedup']:g}", "infeasible", "-", "-", "-", "-", "-") for r in rows]
-    if args.report:
-        _sweep_plot([r for r in rows if r["feasible"]], args.report)
-    emit(args, {"sweep": rows}, format_table(table) + (f"wrote {args.report}\n" if args.report else ""))
+    report = report_path(args)
+    if report:
+        _sweep_plot([r for r in rows if r["feasible"]], report)
+    emit(args, {"sweep": rows, **({"report": str(report)} if report else {})},
+         format_table(table) + (f"wrote {report}\n" if report else ""))
     return 0
 
 
@@ -259,5 +308,6 @@ def _sweep_plot(rows: list[dict], path) -> None:
     ratio.plot(xs, [r["throughput_ratio"] for r in rows], "s--", color="tab:red")
     ratio.set_ylabel("throughput / parent (predicted)", color="tab:red")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_file(path) as tmp:  # a kill leaves the old plot or the new one
+        fig.savefig(tmp, dpi=110, format=Path(path).suffix[1:].lower())
     plt.close(fig)

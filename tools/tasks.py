@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 
 from ..errors import UsageError
 
@@ -38,15 +39,44 @@ def _manager(include_path: tuple[str, ...]):
     return TaskManager(include_path=list(include_path) or None)
 
 
+def _unreadable_yamls(include_path) -> list[str]:
+    """'FILE: why' for each task YAML under the --include-path folders that lm-eval cannot read (it skips them
+    without a word, so their tasks would be `unknown`)."""
+    try:
+        from lm_eval.tasks._yaml_loader import load_yaml
+    except ImportError:  # another lm-eval layout: plain YAML
+        import yaml
+
+        load_yaml = lambda p, **_: yaml.safe_load(Path(p).read_text())
+    bad = []
+    for folder in include_path or ():
+        for f in sorted(Path(folder).rglob("*.yaml")):
+            try:
+                load_yaml(f, resolve_func=False, recursive=False)
+            except Exception as e:  # yaml's ScannerError, ParserError, ConstructorError; an unreadable file
+                bad.append(f"{f}: {' '.join(str(e).split())[:240]}")
+    return bad
+
+
 def load_tasks(names: list[str], include_path=None) -> dict:
     """{name: lm-eval task or group} for each name, its data read now: a task that cannot be loaded is refused
-    with one line naming it. Each call builds fresh task objects (they hold one evaluation's requests)."""
+    with one line naming it (a task YAML that cannot be read names the file and its error; a missing
+    --include-path folder is named). Each call builds fresh task objects (they hold one evaluation's requests);
+    their data files become inputs of the command (no output may replace them)."""
     _, _, get_task_dict = _lm_eval()
+    for folder in include_path or ():
+        if not Path(folder).is_dir():
+            raise UsageError(f"--include-path {folder}: no such folder (it should hold your task YAML files)")
     manager = _manager(tuple(str(p) for p in include_path or ()))
     known = set(manager.all_tasks)
     out = {}
     for name in names:
         if name not in known:
+            bad = _unreadable_yamls(include_path)
+            if bad:
+                raise UsageError(f"--tasks: unknown task {name!r}, and lm-eval could not read "
+                                 f"{'a task YAML' if len(bad) == 1 else f'{len(bad)} task YAMLs'} in --include-path: "
+                                 f"{bad[0]}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
             raise UsageError(f"--tasks: unknown task {name!r}; lm-eval knows {len(known):,} (lm_eval ls tasks), and "
                              "a task of your own is a YAML file in a folder passed with --include-path")
         try:
@@ -57,7 +87,52 @@ def load_tasks(names: list[str], include_path=None) -> dict:
                              "machine without the network, put the data on disk and write a task YAML that reads it "
                              "(dataset_path: json with data_files, or a save_to_disk directory), then pass its "
                              "folder with --include-path") from None
+    from ..outputs import declare
+
+    declare((p, f"task data ({task})") for task, p in task_files(out))
     return out
+
+
+def leaf_tasks(tasks: dict):
+    """(name, lm-eval Task) of every task in a task dict, groups opened."""
+    for key, value in tasks.items():
+        if isinstance(value, dict):
+            yield from leaf_tasks(value)
+        elif value is not None and hasattr(value, "config"):
+            yield getattr(key, "group_name", None) or getattr(value.config, "task", None) or str(key), value
+
+
+def task_files(tasks: dict):
+    """(task, path) of the files on disk each task reads its data from (dataset_kwargs' data_files, a local
+    dataset_path)."""
+    for name, task in leaf_tasks(tasks):
+        cfg = task.config
+        kwargs = getattr(cfg, "dataset_kwargs", None) or {}
+        files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
+        found = [files] if isinstance(files, str) else list(files.values()) if isinstance(files, dict) else files or []
+        found += [getattr(cfg, "dataset_path", None) or ""]
+        for f in found:
+            for p in [f] if isinstance(f, str) else f:
+                if isinstance(p, str) and p and Path(p).exists():
+                    yield name, p
+
+
+def check_task_options(tasks: dict, num_fewshot: int | None) -> None:
+    """Before any model runs: refuses a few-shot count a task cannot draw (lm-eval itself fails deep inside with
+    `Sample larger than population`): its few-shot documents, less the one being asked when they are the
+    evaluated documents themselves."""
+    for name, task in leaf_tasks(tasks):
+        k = num_fewshot if num_fewshot is not None else (getattr(task.config, "num_fewshot", None) or 0)
+        if not k:
+            continue
+        pool = task.fewshot_docs()
+        docs = task.eval_docs
+        same = pool is not None and len(pool) == len(docs) and (len(pool) == 0 or pool[0] == docs[0])
+        have = 0 if pool is None else len(pool) - (1 if same else 0)
+        if k > have:
+            raise UsageError(f"--num-fewshot {k}: task {name} has {have:,} documents to draw examples from"
+                             f"{' (its evaluated documents, less the one asked)' if same else ''}; give at most "
+                             f"--num-fewshot {have}")
 
 
 def evaluate_tasks(model, tasks: dict, limit=None, num_fewshot=None, batch_size: int = 8) -> dict:
@@ -123,6 +198,7 @@ def eval_command(args) -> int:
 
     names = task_names(args.tasks)
     tasks = load_tasks(names, args.include_path)  # every task's data first: refused before a model is read
+    check_task_options(tasks, args.num_fewshot)
     compute = compute_of(args)
     prog = ir.verify(load_model(args, text=True))
     teacher = None

@@ -1,8 +1,11 @@
 """`puzzlekit train`, `eval` and `generate`: the commands that run a model on text (in its own tokenization)."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from ..outputs import check_output
 from ..errors import UsageError
@@ -34,10 +37,30 @@ def train(args) -> int:
     return 0
 
 
+def _scored_text(args, corpus):
+    """What `eval` scores: with --data and no --held-out, the whole file (every document, in windows that overlap by
+    one token so that each token after the first is predicted once; up to --windows); else one held-out set
+    (default report) in consecutive windows, as a run that trained or chose on the same text saw it. Returns the
+    windows (a list of [n, seq + 1] and possibly a shorter last one), the unigram baseline's counts, and a
+    description of what was scored."""
+    from ..data import covering_windows, held_out_windows
+
+    if args.data and not args.held_out:
+        stream, lengths = corpus.in_file_order()
+        parts = covering_windows(stream, args.seq + 1, args.windows)
+        end = sum(len(w) * (w.shape[1] - 1) for w in parts) + 1  # tokens covered, from the start
+        docs = int((np.concatenate([[0], np.cumsum(lengths)[:-1]]) < end).sum())
+        return parts, stream, {"set": "all", "documents": docs, "documents_in_data": corpus.documents}
+    role = args.held_out or "report"
+    windows = held_out_windows(corpus, role, args.seq + 1, limit=args.windows or 64, use="eval --held-out")
+    return [windows], corpus.train, {"set": role, "documents": corpus.set_documents(role, windows.numel()),
+                                     "documents_in_data": corpus.documents}
+
+
 def evaluate(args) -> int:
     from .. import evaluate, ir
     from ..backends.torch.stream import StreamedProgram
-    from ..data import corpus_for, held_out_windows
+    from ..data import corpus_for
     from ..tokenizer import check_shared, set_tokenizer, vocab_of
     from .default_model import model_path
 
@@ -55,17 +78,23 @@ def evaluate(args) -> int:
         set_tokenizer(teacher, args.tokenizer)
         check_shared(prog, teacher)
     corpus = corpus_for(prog, args.data, progress=not args.json and sys.stderr.isatty())
-    windows = held_out_windows(corpus, "report", args.seq + 1, limit=args.windows)
-    if len(windows) < args.prompts:
-        raise UsageError(f"--prompts {args.prompts} needs as many held-out windows; there are {len(windows)} "
-                         f"(--windows {args.windows}, {len(corpus.held_out('report')):,} tokens in the report set)")
+    parts, counts, scored = _scored_text(args, corpus)
+    windows = parts[0] if parts[0].shape[1] == args.seq + 1 else None
+    if windows is None or len(windows) < args.prompts:
+        have = 0 if windows is None else len(windows)
+        raise UsageError(f"--prompts {args.prompts} needs as many whole windows of --seq {args.seq} + 1 tokens; the "
+                         f"{'text' if scored['set'] == 'all' else scored['set'] + ' set'} gives {have}: give fewer "
+                         "--prompts, a shorter --seq, or more text")
     model = StreamedProgram(prog, compute)
-    text = evaluate.text_metrics(model, windows, corpus.token_bytes)
+    each = [evaluate.text_metrics(model, w, corpus.token_bytes) for w in parts]
+    nll, tokens, nbytes = (sum(m["nll_per_token"] * m["tokens"] for m in each), sum(m["tokens"] for m in each),
+                           sum(m["bytes"] for m in each))
+    unigram = sum(evaluate.unigram_bits_per_byte(counts, w, vocab_of(prog), corpus.token_bytes) * m["bytes"]
+                  for w, m in zip(parts, each)) / nbytes
     res = {"model": str(model_path(args.model)), "compute": str(compute), "tokenizer": corpus.tokenizer.name,
-           "valid_bytes": text["bytes"], "valid_tokens": text["tokens"], "bits_per_byte": text["bits_per_byte"],
-           "nll_per_token": text["nll_per_token"], "perplexity": text["perplexity"],
-           "unigram_bits_per_byte": evaluate.unigram_bits_per_byte(corpus.train, windows, vocab_of(prog),
-                                                                   corpus.token_bytes)}
+           "scored": scored["set"], "documents": scored["documents"], "valid_bytes": nbytes, "valid_tokens": tokens,
+           "bits_per_byte": nll / nbytes / evaluate.LN2, "nll_per_token": nll / tokens,
+           "perplexity": math.exp(min(nll / tokens, 700.0)), "unigram_bits_per_byte": unigram}
     if model.program.find("mtp"):
         res["mtp_top1_accuracy"] = evaluate.mtp_accuracy(model, windows)
         prompts = windows[: args.prompts, : args.seq // 2]
@@ -73,8 +102,11 @@ def evaluate(args) -> int:
         res["draft_tokens"] = args.k
     if teacher is not None:
         res.update(evaluate.teacher_agreement(StreamedProgram(teacher, compute), model, windows))
+    what = "the whole --data" if scored["set"] == "all" else f"the held-out {scored['set']} set"
+    head = (f"scored {tokens:,} tokens ({nbytes:,} bytes) in {scored['documents']:,} of "
+            f"{scored['documents_in_data']:,} documents: {what}\n")
     lines = [f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in res.items()]
-    emit(args, res, "\n".join(lines) + "\n")
+    emit(args, res, head + "\n".join(lines) + "\n")
     return 0
 
 
@@ -125,8 +157,16 @@ def generate(args) -> int:
     compute = compute_of(args)
     prog = ir.verify(load_model(args, text=True))
     tok = tokenizer_of(prog)
-    text = tok.render_chat([{"role": "user", "content": args.prompt}], generation_prompt=True) if args.chat \
-        else args.prompt
+    text = args.prompt
+    if args.chat:
+        from ..tokenizer import TemplateError
+
+        try:
+            text = tok.render_chat([{"role": "user", "content": args.prompt}], generation_prompt=True)
+        except TemplateError as e:  # a base model's template that refuses chat, a broken template
+            short = args.prompt if len(args.prompt) <= 60 else args.prompt[:57] + "..."
+            raise TemplateError(f"--chat: the prompt {short!r} as a user message: {e}; drop --chat to send the "
+                                "prompt as plain text") from None
     prompt = tok.prompt(text)[None]
     if not args.prompt or prompt.size == 0:
         raise UsageError("the prompt is empty")

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from .. import evaluate, ir
-from ..backends.torch import materialize, random_weights
+from ..backends.torch import checkpoint_state, materialize, random_weights
 from ..backends.torch.device import CPU, Compute
-from ..data import held_out_windows, load_corpus, random_windows
+from ..data import DataError, held_out_windows, load_corpus, random_windows, require_windows
 from ..tokenizer import BYTES
 from ..errors import PuzzlekitError
 from ..training import Schedule, fit
@@ -67,6 +67,20 @@ def loss_fn(model, ids: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, 
     return trunk + mtp_weight * head, {"loss": trunk.item(), "mtp_loss": head.item()}
 
 
+def check_trainable(corpus, length: int) -> None:
+    """Before any step: the training text and the selection set (the figures at the end) must stand for some
+    text (text of special tokens alone has no bytes: bits per byte would be undefined) and hold a window."""
+    import numpy as np
+
+    require_windows(corpus, "selection", length, "train's validation figures")
+    for what, stream in (("training text", corpus.train), ("selection set", corpus.held_out("selection"))):
+        counts = np.bincount(stream, minlength=len(corpus.token_bytes))[:len(corpus.token_bytes)]
+        if int(counts @ corpus.token_bytes) == 0:
+            raise DataError(f"the {what} is special tokens alone ({len(stream):,} tokens that stand for no text, "
+                            "e.g. <s> and </s> written out in the documents): there is nothing to learn or measure; "
+                            "give --data with ordinary text")
+
+
 def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: bool = True,
           compute: Compute = CPU, tokenizer=BYTES) -> dict:
     out = Path(out)
@@ -74,6 +88,7 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
     state_file = out / "train_state.pt"
     tokenizer = tokenizer or BYTES
     corpus = load_corpus(data, tokenizer=tokenizer)
+    check_trainable(corpus, cfg.seq + 1)
     prog = random_weights(default_architecture(vocab=tokenizer.vocab_size), seed=cfg.seed)
     if tokenizer is not BYTES:
         prog.meta["tokenizer"] = str(tokenizer.directory.resolve())
@@ -89,7 +104,7 @@ def train(out: Path, cfg: TrainConfig, data: list[str] | None = None, progress: 
               postfix=lambda p: {"bpb": f"{p['loss'] / evaluate.LN2:.3f}", "mtp": f"{p['mtp_loss'] / evaluate.LN2:.3f}"})
     step, resumed_from = run.step, run.resumed_from
     model.eval()
-    for name, t in model.state_dict().items():
+    for name, t in checkpoint_state(model).items():
         prog.weights.set(name, t.detach().clone().cpu())
     windows = held_out_windows(corpus, "selection", cfg.seq + 1, limit=cfg.eval_windows)
     text = evaluate.text_metrics(model, windows, corpus.token_bytes)

@@ -3,7 +3,8 @@
 FP8: a float8 initializer -> DequantizeLinear(scale). NVFP4: an FP4 initializer -> DequantizeLinear
 (block_size=16, axis=-1) whose scale is DequantizeLinear(E4M3 block scales, FP32 tensor scale).
 The exported graph first holds each quantised weight as its dequantised float initializer; lowering
-replaces that initializer by the pattern producing the same values.
+replaces that initializer by the pattern producing the same values. A layer's routed experts are one stacked
+initializer [experts, ...] (the export form's batched MatMuls); their scales stack along the experts' axis.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ...ir import Program
+from ...ir.ops.routed import expert_names, is_stacked
 
 
 def _initializer(name: str, t: torch.Tensor, onnx_type: int | None = None) -> onnx.TensorProto:
@@ -22,8 +24,26 @@ def _initializer(name: str, t: torch.Tensor, onnx_type: int | None = None) -> on
                               raw=True)
 
 
+def _stacked_parts(prog: Program, param: str, experts: int):
+    """A stacked side of routed experts whose experts are quantised: (format, values, scales) stacked over
+    the experts (the per-expert weights of the checkpoint, in one initializer each); None if not quantised."""
+    prefix, side = param.rsplit(".", 1)
+    names = expert_names(prefix, side, experts)
+    if not all(n in prog.weights and prog.weights.is_quantized(n) for n in names):
+        return None
+    qs = prog.weights.get_many(names)
+    if len({q.format for q in qs}) != 1:
+        raise ValueError(f"{param}: its experts are quantised in different formats; one format per layer side")
+    return qs
+
+
+def _dq(base: str, q, scale, **attrs) -> list:
+    return [helper.make_node("DequantizeLinear", [q, scale], [base], name=f"{base}.dq", **attrs)]
+
+
 def lower_quantized(model: onnx.ModelProto, prog: Program, module) -> None:
-    """Replaces the float initializers of quantised weights with their Q/DQ patterns, in place."""
+    """Replaces the float initializers of quantised weights with their Q/DQ patterns, in place. A layer's
+    routed experts are one stacked initializer [experts, ...]: their per-expert scales stack along axis 0."""
     quantized = {f"{n.path}.{k}": fmt for n in prog.nodes for k, fmt in n.op.quant}
     if not quantized:
         return
@@ -31,28 +51,45 @@ def lower_quantized(model: onnx.ModelProto, prog: Program, module) -> None:
     keep, new_nodes = [], []
     for init in graph.initializer:
         param = init.name.removeprefix("m.")
+        base = init.name
+        if is_stacked(param) and (qs := _stacked_parts(prog, param, init.dims[0])) is not None:
+            if qs[0].format == "fp8":
+                data, scale = torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs])
+                keep.append(_initializer(f"{base}.q", data, TensorProto.FLOAT8E4M3FN))
+                if scale[0].numel() == 1:  # a scale per expert
+                    keep.append(_initializer(f"{base}.scale", scale.reshape(-1)))
+                    new_nodes += _dq(base, f"{base}.q", f"{base}.scale", axis=0)
+                else:  # a scale per expert and row: blocks of a whole row
+                    keep.append(_initializer(f"{base}.scale", scale.reshape(*data.shape[:2], 1)))
+                    new_nodes += _dq(base, f"{base}.q", f"{base}.scale", axis=2, block_size=data.shape[2])
+            else:
+                shape = [len(qs), *qs[0].shape]
+                data = torch.stack([q.data for q in qs])
+                keep += [helper.make_tensor(f"{base}.q", TensorProto.FLOAT4E2M1, shape, data.numpy().tobytes(),
+                                            raw=True),
+                         _initializer(f"{base}.block_scale", torch.stack([q.block_scale for q in qs]),
+                                      TensorProto.FLOAT8E4M3FN),
+                         _initializer(f"{base}.global_scale", torch.stack([q.global_scale.reshape(()) for q in qs]))]
+                new_nodes += [helper.make_node("DequantizeLinear", [f"{base}.block_scale", f"{base}.global_scale"],
+                                               [f"{base}.scale"], name=f"{base}.dq_scale", axis=0)]
+                new_nodes += _dq(base, f"{base}.q", f"{base}.scale", axis=-1, block_size=16)
+            continue
         if param not in quantized:
             keep.append(init)
             continue
         q = prog.weights.get(param)
-        base = init.name
         if q.format == "fp8":
             keep += [_initializer(f"{base}.q", q.data, TensorProto.FLOAT8E4M3FN),
                      _initializer(f"{base}.scale", q.scale.reshape(-1) if q.scale.numel() > 1 else q.scale.reshape(()))]
-            attrs = {"axis": 0} if q.scale.numel() > 1 else {}
-            new_nodes.append(helper.make_node("DequantizeLinear", [f"{base}.q", f"{base}.scale"], [base],
-                                              name=f"{base}.dq", **attrs))
+            new_nodes += _dq(base, f"{base}.q", f"{base}.scale", **({"axis": 0} if q.scale.numel() > 1 else {}))
         else:
             fp4 = helper.make_tensor(f"{base}.q", TensorProto.FLOAT4E2M1, list(q.shape),  # our packing is ONNX's:
                                      q.data.numpy().tobytes(), raw=True)  # two codes a byte, low nibble first
             keep += [fp4, _initializer(f"{base}.block_scale", q.block_scale, TensorProto.FLOAT8E4M3FN),
                      _initializer(f"{base}.global_scale", q.global_scale.reshape(()))]
-            new_nodes += [
-                helper.make_node("DequantizeLinear", [f"{base}.block_scale", f"{base}.global_scale"],
-                                 [f"{base}.scale"], name=f"{base}.dq_scale"),
-                helper.make_node("DequantizeLinear", [f"{base}.q", f"{base}.scale"], [base], name=f"{base}.dq",
-                                 axis=-1, block_size=16),
-            ]
+            new_nodes += [helper.make_node("DequantizeLinear", [f"{base}.block_scale", f"{base}.global_scale"],
+                                           [f"{base}.scale"], name=f"{base}.dq_scale")]
+            new_nodes += _dq(base, f"{base}.q", f"{base}.scale", axis=-1, block_size=16)
     graph.ClearField("initializer")
     graph.initializer.extend(keep)
     nodes = list(graph.node)

@@ -8,7 +8,7 @@ from torch import nn
 
 from ...ir.ops.base import QUANT_FORMATS, use_export_form
 from ...ir.ops.io import TiedHead
-from ...ir.ops.moe import MoEMixer
+from ...ir.ops.routed import RoutedExperts, expert_names, split_experts
 from ...ir.program import Program
 from ...ir.weights import WeightStore
 from .device import CPU, Compute
@@ -67,22 +67,7 @@ class ProgramModule(nn.Module):
             return self._run_nodes(ids, state, decode, keep)
 
     def _run_nodes(self, ids, state, decode, keep):
-        env = {self.program.inputs[0]: ids}
-        new_state, i = [], 0
-        for n, m in self._nodes:
-            args = [env[a] for a in n.args]
-            if n.op.is_block or n.op.kind == "mtp":
-                cnt = len(n.op.state_shapes())
-                past = None if state is None or not cnt else tuple(state[i:i + cnt])
-                out, st = m(*args, past, decode)
-                new_state += [t.contiguous() for t in st] if self.contiguous_state else list(st)
-                i += cnt
-            else:
-                out = m(*args)
-            env[n.name] = out
-        if keep:
-            return tuple(env[k] for k in keep)
-        return tuple(env[o] for o in self.program.outputs), tuple(new_state)
+        return run_nodes(self.program, self._nodes, ids, state, decode, keep, self.contiguous_state)
 
     def forward(self, input_ids):
         outs, _ = self._run(input_ids, None, False)
@@ -101,6 +86,28 @@ class ProgramModule(nn.Module):
         return self._run(token_ids.reshape(-1, 1), state, True)
 
 
+def run_nodes(program: Program, nodes, ids, state, decode: bool, keep=(), contiguous: bool = True):
+    """One step of `program` over `ids` from the decode `state` (None: a fresh sequence): its outputs and new
+    state, or the values named in `keep`. `nodes` yields (node, module) in program order (a ProgramModule's
+    own, or a stream's, read as they run)."""
+    env = {program.inputs[0]: ids}
+    new_state, i = [], 0
+    for n, m in nodes:
+        args = [env[a] for a in n.args]
+        if n.op.is_block or n.op.kind == "mtp":
+            cnt = len(n.op.state_shapes())
+            past = None if state is None or not cnt else tuple(state[i:i + cnt])
+            out, st = m(*args, past, decode)
+            new_state += [t.contiguous() for t in st] if contiguous else list(st)
+            i += cnt
+        else:
+            out = m(*args)
+        env[n.name] = out
+    if keep:
+        return tuple(env[k] for k in keep)
+    return tuple(env[o] for o in program.outputs), tuple(new_state)
+
+
 def load_weights(module: ProgramModule, weights: WeightStore | None = None) -> ProgramModule:
     """Puts the store's tensors into the module, on its device (on CPU the module shares them). Quantised
     weights are dequantised (fake quantization) and the inputs of weights with an activation format are
@@ -111,12 +118,37 @@ def load_weights(module: ProgramModule, weights: WeightStore | None = None) -> P
 
 def load_into(root: nn.Module, w: WeightStore, device, nodes, base: str = "") -> None:
     """Loads `root`'s parameters from the store: `base` is the path of `root` in the program ("" for a whole
-    ProgramModule, a node's path for that node's module alone); `nodes` are the nodes it holds."""
-    full = {k: f"{base}.{k}" if base else k for k in root.state_dict()}
-    missing = sorted(n for n in full.values() if n not in w)
+    ProgramModule, a node's path for that node's module alone); `nodes` are the nodes it holds.
+
+    Every tensor is assigned in place of the module's own (no load_state_dict walk over the module tree);
+    routed experts are read one layer side at a time (`WeightStore.get_many`: one read per run of the file)
+    and stacked."""
+    wanted = []  # per module: [(attribute, is buffer, checkpoint names)], stacked
+    for path, mod in root.named_modules():
+        prefix = ".".join(p for p in (base, path) if p)
+        stacked = isinstance(mod, RoutedExperts)
+        own = [*mod._parameters.items(),
+               *((a, t) for a, t in mod._buffers.items() if a not in mod._non_persistent_buffers_set)]
+        attrs = [(a, a in mod._buffers, expert_names(prefix, a, t.shape[0]) if stacked else [f"{prefix}.{a}"])
+                 for a, t in own if t is not None]
+        if attrs:
+            wanted.append((mod, attrs, stacked))
+    missing = [n for _, attrs, _ in wanted for *_, names in attrs for n in names if n not in w]
     if missing:
-        raise KeyError(f"the weight store lacks {missing[:3]}")
-    root.load_state_dict({k: _dense(w.get(n)).to(device) for k, n in full.items()}, strict=True, assign=True)
+        raise KeyError(f"the weight store lacks {sorted(missing)[:3]}")
+    for mod, attrs, stacked in wanted:
+        got = iter(w.get_many([n for *_, names in attrs for n in names]))  # a layer's experts: one read
+        for attr, buffer, names in attrs:
+            parts = [_dense(next(got)) for _ in names]
+            t = (torch.stack(parts) if stacked else parts[0]).to(device)
+            old = getattr(mod, attr)
+            if tuple(t.shape) != tuple(old.shape):
+                raise ValueError(f"{names[0]}: the store holds {tuple(t.shape)}, the module expects "
+                                 f"{tuple(old.shape)}")
+            if buffer:
+                mod._buffers[attr] = t
+            else:
+                mod._parameters[attr] = nn.Parameter(t, requires_grad=old.requires_grad)
     cut = len(base) + 1 if base else 0
     for n in nodes:
         for local, fmt in n.op.quant:
@@ -124,6 +156,23 @@ def load_into(root: nn.Module, w: WeightStore, device, nodes, base: str = "") ->
             if act:
                 module = f"{n.path}.{local.rsplit('.', 1)[0]}"
                 _quantize_input(root, module[cut:], act, w.get(f"{module}.input_scale").to(device))
+
+
+def load_tensors(module: nn.Module, tensors: dict, device=None) -> nn.Module:
+    """Loads a module built from a spec from tensors under the checkpoint's names (relative to the module),
+    as `load_into` loads from a store; a name the module does not hold is an error too."""
+    store = WeightStore()
+    store.update(tensors)
+    load_into(module, store, device or next((t.device for t in tensors.values()), "cpu"), [])
+    extra = set(tensors) - set(checkpoint_state(module))
+    if extra:
+        raise KeyError(f"the module holds no {sorted(extra)[:3]}")
+    return module
+
+
+def checkpoint_state(module: nn.Module) -> dict:
+    """The module's state dict under the checkpoint's names: routed experts one tensor (a view) per expert."""
+    return split_experts(module.state_dict())
 
 
 def _dense(t):
@@ -159,29 +208,18 @@ def materialize(prog: Program, dtype: torch.dtype | None = None, compute: Comput
         m.to(dtype)
     elif inference:
         hold_in(m, compute.dtype)
-    if inference and not meta:
-        stack_experts(m)
     return m.eval()
 
 
 def hold_in(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Casts once what autocast casts on every call, the Linear and Conv1d weights, to the forward's `dtype`:
-    the same numbers without a cast of every weight in every forward. For inference: an optimizer steps float32
-    master weights. Norms, routers and the embedding stay as stored (autocast leaves them too)."""
+    """Casts once what autocast casts on every call, the Linear, Conv1d and routed experts' weights, to the
+    forward's `dtype`: the same numbers without a cast of every weight in every forward. For inference: an
+    optimizer steps float32 master weights. Norms, routers and the embedding stay as stored (autocast leaves
+    them too)."""
     if dtype != torch.float32:
         for m in module.modules():
-            if isinstance(m, (nn.Linear, nn.Conv1d)):
+            if isinstance(m, (nn.Linear, nn.Conv1d, RoutedExperts)):
                 m.to(dtype)
-    return module
-
-
-def stack_experts(module: nn.Module) -> nn.Module:
-    """Holds each MoE's routed experts, in their final dtype and device, in two stacked tensors
-    (`MoEMixer.stack`) for grouped GEMMs: a copy of them, made once. For inference modules."""
-    for m in module.modules():
-        if isinstance(m, MoEMixer):
-            m.stack(*(torch.stack([getattr(e, side).weight.detach() for e in m.experts])
-                      for side in ("up_proj", "down_proj")))
     return module
 
 

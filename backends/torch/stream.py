@@ -22,7 +22,7 @@ from torch import nn
 
 from ...ir.program import Node, Program
 from ...memory import scratch_file
-from . import _dense, hold_in, load_into, stack_experts
+from . import _dense, hold_in, load_into, run_nodes
 from .device import CPU, Compute
 
 #: attach(node, module) -> finish() or None: called before a node runs over the windows; finish() after it
@@ -115,7 +115,6 @@ class StreamedProgram:
             m.to(self.dtype)
         else:  # inference in the forward's precision: weights cast once, not in every call
             hold_in(m, self.compute.dtype)
-        stack_experts(m)  # in the dtype settled above
         kind = lambda k: self.program.find(k)[0]
         if node.op.kind == "lm_head" and node.op.tied:
             m.bind(self.module(kind("embed")))
@@ -211,6 +210,21 @@ class StreamedProgram:
         for f in finishes:
             if f:
                 f()
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, state=None):
+        """Like ProgramModule.prefill, on one batch: (outputs, decode state), continuing from `state` (the cached
+        tokens) when given; node by node, each module read as it runs."""
+        return self._step(input_ids, state, False)
+
+    @torch.no_grad()
+    def decode(self, token_ids: torch.Tensor, state):
+        return self._step(token_ids.reshape(-1, 1), state, True)
+
+    def _step(self, ids, state, decode):
+        with self.compute.autocast():
+            return run_nodes(self.program, ((n, self.module(n)) for n in self.program.nodes),
+                             ids.to(self.compute.device), state, decode)
 
     def __call__(self, input_ids: torch.Tensor):
         """Like ProgramModule.forward: logits, or (logits, MTP logits) with a head."""

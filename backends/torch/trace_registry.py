@@ -12,6 +12,7 @@ from torch import nn
 from ...ir.ops import Embed, LMHead, Norm, OpSpec
 from ...ir.ops.base import Block, RMSNorm
 from ...ir.ops.mtp import MTPHead
+from ...ir.ops.routed import split_experts
 
 
 @dataclass
@@ -47,8 +48,8 @@ def _convert(m: nn.Module, path: str) -> Converted | None:
 
 
 # -- built-in converters ----------------------------------------------------------------------------
-register_module(Block, lambda m, p: Converted(m.spec, dict(m.state_dict())))
-register_module(MTPHead, lambda m, p: Converted(m.spec, dict(m.state_dict())))
+register_module(Block, lambda m, p: Converted(m.spec, split_experts(m.state_dict())))
+register_module(MTPHead, lambda m, p: Converted(m.spec, split_experts(m.state_dict())))
 register_module(nn.Embedding, lambda m, p: Converted(Embed(m.num_embeddings, m.embedding_dim),
                                                      {"weight": m.weight.detach()}))
 register_module(RMSNorm, lambda m, p: Converted(Norm(m.weight.shape[0], m.eps), {"weight": m.weight.detach()}))

@@ -19,6 +19,7 @@ from torch import nn
 from ...errors import TraceError
 from ...ir.ops.base import use_export_form
 from ...ir.program import Program
+from . import load_tensors
 from .trace_graph import _build, _flatten
 from .trace_registry import _REGISTRY, ROOT_RENAMES, Converted, Converter, _convert, register_module  # noqa: F401
 
@@ -54,8 +55,8 @@ def _swap(root: nn.Module, found: dict[str, Converted], originals: dict[str, nn.
             continue
         ref = use_export_form(c.op.build())
         try:
-            ref.load_state_dict(c.weights, strict=True)
-        except RuntimeError as e:
+            load_tensors(ref, c.weights)
+        except (KeyError, ValueError) as e:
             raise TraceError(f"{path}: the converter's weights do not fit its {c.op.kind} spec: "
                              f"{str(e).splitlines()[0]}") from None
         parent, _, leaf = path.rpartition(".")

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Axis, Block, OpSpec, RMSNorm, Work, dense_weights, full_precision, positive, relu2
+from .routed import RoutedExperts
 
 
 @dataclass(frozen=True)
@@ -149,12 +150,10 @@ class _MLP(nn.Module):
 class MoEMixer(nn.Module):
     """Routes with the op's own top-k; each expert runs only over the tokens routed to it.
 
-    Eager runs sort the (token, choice) pairs by expert and run one GEMM pair per expert that received tokens
-    (`expert_outputs`): the work is what routing chose, top-k of every token, whatever the number of experts.
-    The ONNX export asks for `export_form` instead: every expert on every token mixed with a dense
-    [tokens, experts] matrix (prefill) and a gather of the chosen experts' weights (decode), plain tensor ops
-    without data-dependent shapes, in which each quantized weight keeps the DequantizeLinear -> MatMul pattern
-    TensorRT builds. Both give the same result.
+    The routed experts are one module (`RoutedExperts`: stacked weights). Eager runs sort the (token, choice)
+    pairs by expert and run one grouped GEMM pair over all of them (`expert_outputs`): the work is what routing
+    chose, top-k of every token, whatever the number of experts, and no Python loop per expert. The ONNX export
+    asks for `export_form` instead (`RoutedExperts.mixture`). Both give the same result.
     """
 
     mode_aware = True
@@ -163,7 +162,7 @@ class MoEMixer(nn.Module):
         super().__init__()
         s = self.spec = spec
         self.gate = _Router(s.experts, s.hidden)
-        self.experts = nn.ModuleList(_MLP(s.expert_width, s.d_ff) for _ in range(s.experts))
+        self.experts = RoutedExperts(s.experts, s.expert_width, s.d_ff)
         if s.shared_d_ff:
             self.shared_experts = _MLP(s.hidden, s.shared_d_ff)
         if s.latent:
@@ -200,88 +199,28 @@ class MoEMixer(nn.Module):
         fmt, scale = acts[side]
         return fake_quantize(x, fmt, scale)
 
-    def stack(self, up: torch.Tensor, down: torch.Tensor) -> None:
-        """Holds the routed experts' weights as views into `up` [experts, d_ff, width] and `down` [experts, width,
-        d_ff]: the same parameters, names and values, over which a grouped GEMM runs without a copy per call."""
-        for side, base in (("up_proj", up), ("down_proj", down)):
-            for e, row in zip(self.experts, base):
-                getattr(e, side).weight = nn.Parameter(row, requires_grad=False)
-        self.__dict__["_stacked"] = (up, down)
-
-    def stacked(self):
-        """(up, down) when the experts' weights are still views into them (a cast, a reload or sharding replaces
-        them and so ends the stacking), else None."""
-        st = self.__dict__.get("_stacked")
-        if st is None:
-            return None
-        for side, base in zip(("up_proj", "down_proj"), st):
-            for j in (0, -1):
-                if getattr(self.experts[j], side).weight.data_ptr() != base[j].data_ptr():
-                    self.__dict__["_stacked"] = None
-                    return None
-        return st
-
-    def expert_outputs(self, h, chosen, visit=None):
+    def expert_outputs(self, h, chosen, observe=None):
         """h [n, width] through each token's chosen experts (ids [n, k]) -> [n, k, width].
 
-        The (token, choice) pairs are sorted by expert, and each expert runs once over its rows: one grouped GEMM
-        pair over the stacked weights when they are stacked and nothing needs gradients (no host sync); under
-        gradients one autograd node over the experts (`_RoutedExperts`); else one GEMM pair per expert that
-        received tokens. `visit(j, x, a)` sees expert j's inputs and hidden activations (activation
-        calibration, importance statistics)."""
+        The (token, choice) pairs are sorted by expert and every expert runs over its rows in one grouped GEMM
+        pair (one autograd node under gradients). `observe(expert_ids, x, a)` sees every routed row at once,
+        sorted by expert: its expert, its input [rows, width] and its hidden activation [rows, d_ff]
+        (activation calibration, importance statistics)."""
         n, k = chosen.shape
         ids = chosen.reshape(-1)
         order = ids.argsort(stable=True)
         counts = torch.bincount(ids, minlength=self.spec.experts)
         rows = h[order // k]
-        st = None if visit is not None or torch.is_grad_enabled() else self.stacked()
-        if st is not None:
-            try:
-                done = self._grouped(rows, counts, *st)
-            except RuntimeError:  # no grouped GEMM for this device, dtype or alignment: the loop from now on
-                self.__dict__["_stacked"] = st = None
-        if st is None and visit is None and "expert_act" not in self.__dict__ and torch.is_grad_enabled():
-            weights = [getattr(e, side).weight for side in ("up_proj", "down_proj") for e in self.experts]
-            done = _RoutedExperts.apply(rows, counts.tolist(), *weights)
-        elif st is None:
-            outs = []
-            for j, x in enumerate(rows.split(counts.tolist())):  # one host sync per call
-                if not len(x):
-                    continue
-                e = self.experts[j]
-                a = self._act("down", relu2(e.up_proj(x)))
-                if visit is not None:
-                    visit(j, x, a)
-                outs.append(e.down_proj(a))
-            if not outs:
-                return h.new_zeros(n, k, h.shape[-1])
-            done = torch.cat(outs)
+        seen = None if observe is None else (lambda a: observe(ids[order], rows, a))
+        done = self.experts(rows, counts, lambda a: self._act("down", a), seen)
         return done.new_empty(done.shape).index_copy(0, order, done).reshape(n, k, -1)
 
-    def _grouped(self, rows, counts, up, down):
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        a = self._act("down", relu2(torch._grouped_mm(rows.to(up.dtype), up.transpose(-1, -2), offs=offs)))
-        return torch._grouped_mm(a.to(down.dtype), down.transpose(-1, -2), offs=offs)
-
-    def _record(self, amax):
-        """Folds one call's per-expert amax [2, experts] (inputs, hidden activations) into the calibration."""
-        stats = self.__dict__["calib"]
-        for side, v in zip(("up", "down"), amax):
-            stats[side] = torch.maximum(stats[side], v) if side in stats else v
-
-    def _export_form(self, h, chosen, w, decode):
-        s = self.spec
-        if decode:
-            up = torch.stack([e.up_proj.weight for e in self.experts])  # [E, d_ff, width]
-            down = torch.stack([e.down_proj.weight for e in self.experts])  # [E, width, d_ff]
-            a = self._act("down", relu2(torch.einsum("nw,nkfw->nkf", h, up[chosen])))
-            return torch.einsum("nkf,nkwf,nk->nw", a, down[chosen], w.to(h.dtype))
-        mix = torch.zeros(h.shape[0], s.experts, dtype=h.dtype, device=h.device).scatter(1, chosen, w.to(h.dtype))
-        # each expert's output side by side, mixed by one batched product: four graph nodes per expert (its two
-        # projections and squared ReLU), not a slice, multiply and add more, which made the export of hundreds
-        # of experts slow (and the optimizer's Slice pattern quadratic)
-        y = torch.cat([e.down_proj(self._act("down", relu2(e.up_proj(h)))) for e in self.experts], -1)
-        return torch.bmm(mix[:, None], y.reshape(h.shape[0], s.experts, -1))[:, 0]
+    def _record(self, ids, x, a):
+        """Folds one call's per-expert amax of the inputs and hidden activations into the calibration."""
+        stats, E = self.__dict__["calib"], self.spec.experts
+        for side, v in (("up", x), ("down", a)):
+            got = torch.zeros(E, device=v.device).scatter_reduce(0, ids, v.detach().abs().amax(-1).float(), "amax")
+            stats[side] = torch.maximum(stats[side], got) if side in stats else got
 
     def forward(self, x, decode: bool = False):
         s = self.spec
@@ -289,16 +228,10 @@ class MoEMixer(nn.Module):
         chosen, w = self.route(flat)
         h = self._act("up", self.fc1_latent_proj(flat) if s.latent else flat)
         if self.export_form:
-            y = self._export_form(h, chosen, w, decode)
+            y = self.experts.mixture(h, chosen, w, lambda a: self._act("down", a), decode)
         else:
             calibrating = "calib" in self.__dict__  # activation calibration: per expert, over its tokens
-            amax = torch.zeros(2, s.experts, device=h.device) if calibrating else None
-
-            def visit(j, x, a):
-                amax[0, j], amax[1, j] = x.detach().abs().amax(), a.detach().abs().amax()
-            out = self.expert_outputs(h, chosen, visit if calibrating else None)
-            if calibrating:
-                self._record(amax)
+            out = self.expert_outputs(h, chosen, self._record if calibrating else None)
             y = (out.float() * w[..., None]).sum(1).to(h.dtype)  # mixed in float32 (no autocast on mul, sum)
         if s.latent:
             y = self.fc2_latent_proj(y)
@@ -306,48 +239,3 @@ class MoEMixer(nn.Module):
         if s.shared_d_ff:
             y = y + self.shared_experts(x)
         return y
-
-
-class _RoutedExperts(torch.autograd.Function):
-    """Every expert's squared-ReLU MLP over its rows (sorted by expert; `counts` per expert) as one autograd
-    node: the backward walks the experts once (two GEMMs for the weights, one for the rows) instead of the
-    graph of four nodes per expert that the plain loop records. Under autocast the GEMMs run in the saved
-    activations' dtype and the weight gradients come back in the weights' own."""
-
-    @staticmethod
-    def forward(ctx, rows, counts, *weights):
-        E = len(weights) // 2
-        outs, pre = [], []
-        for j, x in enumerate(rows.split(counts)):
-            if len(x):
-                u = F.linear(x, weights[j])
-                outs.append(F.linear(relu2(u), weights[E + j]))
-                pre.append(u)
-        ctx.counts = counts
-        ctx.save_for_backward(rows, *pre, *weights)
-        return torch.cat(outs) if outs else rows.new_zeros(0, weights[E].shape[0])
-
-    @staticmethod
-    def backward(ctx, g):
-        rows, *rest = ctx.saved_tensors
-        used = [j for j, c in enumerate(ctx.counts) if c]
-        pre, weights = dict(zip(used, rest[:len(used)])), rest[len(used):]
-        E, need = len(weights) // 2, ctx.needs_input_grad
-        grads = [None] * (2 * E)
-        g_rows = torch.zeros_like(rows) if need[0] else None
-        start = 0
-        for j, (x, gj) in enumerate(zip(rows.split(ctx.counts), g.split(ctx.counts))):
-            start, at = start + len(x), start
-            if not len(x):
-                continue
-            u = pre[j]
-            up, down = weights[j].to(u.dtype), weights[E + j].to(u.dtype)
-            r = F.relu(u)
-            if need[2 + E + j]:
-                grads[E + j] = (gj.t().to(u.dtype) @ r.square()).to(weights[E + j].dtype)
-            gu = (gj.to(u.dtype) @ down) * (2 * r)
-            if need[2 + j]:
-                grads[j] = (gu.t() @ x.to(u.dtype)).to(weights[j].dtype)
-            if g_rows is not None:
-                g_rows[at:start] = gu @ up
-        return (g_rows, None, *grads)

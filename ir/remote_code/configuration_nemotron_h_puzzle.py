@@ -43,6 +43,12 @@ class NemotronHPuzzleConfig(_NemotronHConfig):
         if self.block_configs and len(self.block_configs) != len(self.layers_block_type):
             raise ValueError(f"block_configs has {len(self.block_configs)} entries for "
                              f"{len(self.layers_block_type)} layers; give one per layer")
+        declared = [_LAYER_TYPE.get(t, t) for t in self.layers_block_type]
+        stated = [_LAYER_TYPE[b["block_type"]] for b in self.block_configs]
+        wrong = next((i for i, (a, b) in enumerate(zip(declared, stated)) if a != b), None)
+        if wrong is not None:  # as puzzlekit's reader refuses it: the engines would build one, the weights the other
+            raise ValueError(f"layer {wrong} is {self.layers_block_type[wrong]!r} in layers_block_type but "
+                             f"{self.block_configs[wrong]['block_type']!r} in block_configs; make them agree")
 
     def _overlaid(self, blocks: list[dict], **extra) -> _NemotronHConfig:
         base = {k: v for k, v in self.to_dict().items() if k not in _PUZZLE_ONLY}

@@ -10,6 +10,7 @@ import torch
 
 from ...backends.torch.device import Compute
 from ...ir import Program
+from ...ir.ops.routed import RoutedExperts, split_experts
 from ..core import PassError
 
 # -- sharding, activation checkpointing ------------------------------------------------------------------------
@@ -95,8 +96,8 @@ def hold_frozen(module: torch.nn.Module, fp32: frozenset[str], dtype: torch.dtyp
     weights of its linear layers and convolutions, except the ops' float32 parameters (`fp32`: routers,
     named relative to `module`); everything else (norms, biases, the embedding, SSM parameters) in float32.
     The forward's numbers under autocast are the float32 model's, in half the memory."""
-    low = {f"{name}.weight" if name else "weight" for name, m in module.named_modules()
-           if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d))} - set(fp32)
+    low = {f"{name}.{p}" if name else p for name, m in module.named_modules() for p in m._parameters
+           if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, RoutedExperts)) and p != "bias"} - set(fp32)
     for name, p in module.named_parameters():
         want = dtype if name in low else torch.float32
         if p.dtype != want:
@@ -164,4 +165,4 @@ def full_state(model) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, the whole tensor) for the model's state dict, one tensor gathered at a time (sharded ones on
     every process: a collective, so every process must iterate)."""
     for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+        yield from split_experts({name: t.full_tensor() if hasattr(t, "full_tensor") else t}).items()

@@ -12,15 +12,16 @@ import zlib
 
 import torch
 
+from ...backends.torch import load_tensors
 from ...backends.torch.device import CPU, Compute
 from ...ir.ops import OpSpec, RMSNorm
 from ...training import Schedule, fit
 
 
 def block_module(spec: OpSpec, weights: dict) -> torch.nn.Module:
-    m = spec.build()
-    m.load_state_dict({k: v.detach().clone().float() for k, v in weights.items()}, strict=True)
-    return m.float()
+    with torch.device("meta"):  # every tensor is assigned from `weights`
+        m = spec.build()
+    return load_tensors(m, {k: v.detach().clone().float() for k, v in weights.items()}).float()
 
 
 def nmse(block: torch.nn.Module, x: torch.Tensor, d: torch.Tensor, batch: int = 8, compute: Compute = CPU) -> float:

@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from ...backends.torch import checkpoint_state
+from ...eta import Remaining
 from ...backends.torch.device import CPU, Compute
 from ...backends.torch.stream import StreamedProgram
 from ...ir import Program, print_program
@@ -172,6 +174,8 @@ def _build_rows(prog: Program, out: Path, s: LibrarySettings, todo: list, progre
     train, valid = LayerInputs(out, "train", compute.device), LayerInputs(out, "valid", compute.device)
     scorer = Scorer(StreamedProgram(prog, compute, dtype=torch.float32), held_out, valid)
     bar = tqdm(total=sum(len(vs) for _, _, vs in todo), desc="library", disable=not progress)
+    left = Remaining("library", sum(any(load_row(out, i, v.id) is None for v in vs) for i, _, vs in todo),
+                     enabled=progress)
     for i, node, vs in todo:
         pending = [v for v in vs if load_row(out, i, v.id) is None]
         bar.update(len(vs) - len(pending))
@@ -186,9 +190,10 @@ def _build_rows(prog: Program, out: Path, s: LibrarySettings, todo: list, progre
         with clock("score"):
             scores = scorer.score_layer(i, [block for _, block in made])
         for v, (row, block), sc in zip(pending, made, scores):
-            save_variant(out, i, v.id, {k: t.detach().cpu() for k, t in block.state_dict().items()},
+            save_variant(out, i, v.id, {k: t.detach().cpu() for k, t in checkpoint_state(block).items()},
                          row | {"scores": sc})
             bar.update(1)
+        left.done()
     bar.close()
     write_json(out / "timings.json", clock.seconds)  # this run's; not part of the manifest
 

@@ -6,14 +6,16 @@ must then agree across layers (docs/engines.md has the code each rule was read f
 - all three build Mamba layers and their state caches from the top level (so Puzzle-75B's SSM state is 96 in
   every layer), know only mamba, moe, attention and mlp blocks (no `noop` or `linear`), and load an MTP head
   of one attention and one MoE layer;
-- SGLang reads an MLP's width from the top level only; TensorRT-LLM reads per layer only the MoE fields, so
-  attention heads and MLP widths agree across layers, and its MoE routing kernel takes top-k <= 8 below 385
-  experts; it builds the MTP head's attention from the top level too, so its profile also keeps the trunk's
-  attention to the head's (`all` lets the search prune attention and then prunes the head's alike,
-  `mtp-match-attention`, which compress runs before the head's recovery);
+- SGLang reads an MLP's width from the top level only and keeps one KV pool shape (KV heads, head size) for
+  every attention layer, the MTP head's included; TensorRT-LLM reads per layer only the MoE fields, so
+  attention heads and MLP widths agree across layers, and its trtllm-gen MoE routing kernel (the `TRTLLM`
+  backend; CUTLASS, the default, falls back) takes top-k <= 8 below 385 experts: the profile assumes that
+  backend, so its children load with every one; both build the MTP head's attention (KV) from the top level,
+  so their profiles keep the trunk's attention to the head's (`all` lets the search prune attention and then
+  prunes the head's alike, `mtp-match-attention`, which compress runs before the head's recovery);
 - all three split heads and widths over the tensor-parallel devices and assert that they divide
-  (`split_refusal`): a search over a multi-GPU target keeps to the layouts the parent splits over and to the
-  choices that split over the layout chosen;
+  (`split_refusal`; TensorRT-LLM's Mamba groups by tp, never replicated): a search over a multi-GPU target keeps
+  to the layouts the parent splits over and to the choices that split over the layout chosen;
 - under NVFP4 a MoE latent that is cut must stay a multiple of 512 and an expert's width a multiple of the
   16-value scale block.
 `all` (the default) admits what every engine loads; `none` lifts every rule (the child may then need
@@ -50,7 +52,7 @@ def _nvfp4_width(spec, parent, recipes: str) -> str:
 
 
 def _routing_top_k(spec, parent, recipes: str) -> str:
-    """top-k <= 8 below 385 experts"""
+    """top-k <= 8 below 385 experts (TensorRT-LLM's trtllm-gen MoE backend)"""
     if spec.kind == "moe" and (spec.experts, spec.top_k) != (parent.experts, parent.top_k):
         return trtllm_routing_refusal(spec)
     return ""
@@ -88,7 +90,8 @@ class EngineProfile:
 
     def unsplit(self, op, layout, recipes: str = "") -> str:
         """Why `op` does not split over `layout` in this profile's engines ("" : it does, or no engine)."""
-        return split_refusal(op, layout, recipes) if self.engines else ""
+        return split_refusal(op, layout, recipes, replicated_groups="TensorRT-LLM" not in self.engines) \
+            if self.engines else ""
 
     def check_parent(self, prog) -> None:
         """Refuses a parent none of whose children this profile admits: an MTP head of another form."""
@@ -122,12 +125,13 @@ def _every(name: str, profiles: list[EngineProfile]) -> EngineProfile:
 
 MAMBA = ("mamba2", ("heads", "head_dim", "state", "groups"))
 ATTENTION = ("attention", ("q_heads", "kv_heads", "head_dim"))
+KV_POOL = ("attention", ("kv_heads", "head_dim"))  # SGLang's one KV pool shape, from the top level
 MLP = ("mlp", ("d_ff",))
 _PUBLISHED = {"blocks": ("mamba2", "moe", "attention", "mlp"), "mtp": MTP_KINDS}
 PROFILES = {
     "vllm": EngineProfile("vllm", ("vLLM",), uniform=(MAMBA,), rules=(_nvfp4_latent, _nvfp4_width), **_PUBLISHED),
-    "sglang": EngineProfile("sglang", ("SGLang",), uniform=(MAMBA, MLP), rules=(_nvfp4_latent, _nvfp4_width),
-                            **_PUBLISHED),
+    "sglang": EngineProfile("sglang", ("SGLang",), uniform=(MAMBA, MLP, KV_POOL), rules=(_nvfp4_latent, _nvfp4_width),
+                            head_from_top=True, **_PUBLISHED),
     "tensorrt-llm": EngineProfile("tensorrt-llm", ("TensorRT-LLM",), uniform=(MAMBA, ATTENTION, MLP),
                                   rules=(_nvfp4_latent, _nvfp4_width, _routing_top_k), mtp_from_top=True,
                                   head_from_top=True,

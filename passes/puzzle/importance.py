@@ -61,14 +61,13 @@ def _moe_stats(mixer, h, acc: _Sums) -> None:
     spare = min(s.top_k + 1, s.experts)
     ranked = torch.topk(select, spare, dim=-1).indices  # [n, k+1]: the chosen experts, then the next one
     picked = scores.gather(1, ranked)
-    ids = ranked.reshape(-1)
-    rows_of = ids.argsort(stable=True).split(torch.bincount(ids, minlength=s.experts).tolist())  # per expert
-    routed = (torch.arange(spare, device=flat.device) < s.top_k).repeat(flat.shape[0])  # per row: a top-k slot?
+    order = ranked.reshape(-1).argsort(stable=True)  # expert_outputs' order of the (token, choice) rows
+    routed = (torch.arange(spare, device=flat.device) < s.top_k).repeat(flat.shape[0])[order]  # a top-k slot?
     d_ff = torch.zeros(s.experts, s.d_ff, dtype=torch.float64, device=flat.device)
 
-    def visit(j, x, a):  # a [rows of expert j, d_ff], in expert_outputs' order
-        d_ff[j] += (a.abs() * routed[rows_of[j]][:, None]).sum(0).double()
-    out = mixer.expert_outputs(lat, ranked, visit).float()  # [n, k+1, width]
+    def observe(ids, x, a):  # every routed row at once, sorted by expert; the spare choice counts for nothing
+        d_ff.index_add_(0, ids, (a.abs() * routed[:, None]).double())
+    out = mixer.expert_outputs(lat, ranked, observe).float()  # [n, k+1, width]
     k = s.top_k
     y = (out[:, :k] * mixer.combine(picked[:, :k])[..., None]).sum(1)
     chosen = torch.zeros(flat.shape[0], s.experts, device=flat.device).scatter(1, ranked[:, :k], 1.0)
@@ -130,7 +129,7 @@ def _ranks_of(op, acc: dict[str, torch.Tensor], mixer) -> dict:
                 "state": _ranks(acc["state"], op.groups)}
     if kind != "moe":
         return {}
-    down_norm = torch.stack([e.down_proj.weight.norm(dim=0) for e in mixer.experts]).double()  # [E, d_ff]
+    down_norm = mixer.experts.down_proj.norm(dim=1).double()  # [E, d_ff]
     used = acc["routing"].clamp(min=1)[:, None]
     out = {"experts": _ranks(acc["damage"] / acc["y2"].clamp(min=1e-30)),
            "d_ff": [_ranks(row) for row in acc["d_ff"] / used * down_norm],
@@ -139,7 +138,7 @@ def _ranks_of(op, acc: dict[str, torch.Tensor], mixer) -> dict:
         w = mixer.shared_experts.down_proj.weight.norm(dim=0).double()
         out["shared_d_ff"] = _ranks(acc["shared_a"] / acc["shared_n"] * w)
     if op.latent:
-        up_norm = torch.stack([e.up_proj.weight for e in mixer.experts]).pow(2).sum((0, 1)).sqrt().double()
+        up_norm = mixer.experts.up_proj.pow(2).sum((0, 1)).sqrt().double()
         fc2 = mixer.fc2_latent_proj.weight.norm(dim=0).double()
         out["latent"] = _ranks((acc["lat_in"] * up_norm + acc["lat_out"] * fc2) / acc["tokens"])
     return out

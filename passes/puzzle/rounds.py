@@ -18,6 +18,7 @@ import statistics
 
 import torch
 
+from ...backends.torch import checkpoint_state
 from ...backends.torch.device import CPU, Compute
 from ...backends.torch.stream import StreamedProgram
 from ...ir import Program
@@ -128,7 +129,7 @@ def make_options(lib: Library, prog: Program, ranks: dict, calib: torch.Tensor, 
                 trained += 1
                 improved += distill_block(block, x, d, st["bld_tokens"], seed_of(layer, r["id"]), st["bld_lr"],
                                           compute=compute)["trained"]
-                w = block.state_dict()
+                w = checkpoint_state(block)
             elif spec.kind == "linear":
                 norm = prog.node_weights(node)["norm.weight"].float().to(x.device)
                 w = {"norm.weight": norm, "mixer.linear.weight": linear_fit(norm, node.op.eps, x, d)}

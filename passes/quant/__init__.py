@@ -7,9 +7,10 @@ from dataclasses import field
 from typing import ClassVar
 
 from ...data import calibration_windows
+from ...eta import Remaining
 from ..core import ComputePass, PassError, Preserved, pipeline_data, register
 from ..manager import progress
-from .calibrate import ActivationAmax, input_scale, quantize_weight
+from .calibrate import ActivationAmax, input_scale, quantize_weight, quantize_weights
 from .export import quantize_checkpoint
 from ...ir.quant.formats import FP8Tensor, NVFP4Tensor, QuantError, fake_quantize, quantize_fp8, quantize_nvfp4
 from ...ir.quant.recipe import FORMATS, RECIPES, Recipe, Rule, get_recipe
@@ -73,18 +74,26 @@ class Quantize(ComputePass):
             for _ in teacher.outputs(windows, 4, attach=calib.attach):
                 pass
             amax = calib.amax
+        ins = getattr(am, "instrument", None)
+        left = Remaining("quantize", len(plan), enabled=bool(ins and ins.progress))
         for path, params in progress(plan.items(), am, "quantize", total=len(plan)):
             node = prog.node(path)
             new = {}
+            by_format: dict = {}  # a layer's experts read in one go and quantised as one batch
             for local, fmt in params.items():
-                new[local] = quantize_weight(prog.weights.get(f"{path}.{local}"), FORMATS[fmt][0], self.calib.value,
-                                             name=f"{path}.{local}")
+                by_format.setdefault(FORMATS[fmt][0], []).append(local)
+            for wfmt, locals_ in by_format.items():
+                names = [f"{path}.{local}" for local in locals_]
+                new.update(zip(locals_, quantize_weights(prog.weights.get_many(names), wfmt, self.calib.value,
+                                                         names)))
+            for local, fmt in params.items():
                 act = FORMATS[fmt][1]
                 if act:
                     module = f"{path}.{local.rsplit('.', 1)[0]}"
                     new[f"{local.rsplit('.', 1)[0]}.input_scale"] = input_scale(amax[module], act)
             prog.rewrite(node, op=node.op.replace(quant=dict(node.op.quant) | params), weights=new)
             prog.weights.spill_over(compute.budget // 4)
+            left.done()
         report = {"recipe": self.recipe, "calib": self.calib.value, "weights": sum(len(p) for p in plan.values()),
                   **teacher_agreement(teacher, StreamedProgram(prog, compute), windows)}
         am.reports["quantize"] = report

@@ -1,0 +1,130 @@
+"""A MoE layer's routed experts as one module: two stacked parameters and grouped GEMMs over routed rows.
+
+The checkpoint stores one matrix per expert (`experts.{j}.up_proj.weight`, as Nemotron-3 ships); the module
+holds them stacked, `up_proj` [experts, d_ff, width] and `down_proj` [experts, width, d_ff], as transformers'
+and vLLM's NemotronH do. So no stage builds a module per expert, and a few kernels cover every expert in the
+forward and the backward alike. `expert_names` / `split_experts` map between the two namings at load and save.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SIDES = ("up_proj", "down_proj")
+
+
+def expert_names(prefix: str, side: str, experts: int) -> list[str]:
+    """The checkpoint's names of one side of a layer's experts: `{prefix}.{j}.{side}.weight`, j = 0..experts-1
+    (`prefix` ends in `experts`)."""
+    return [f"{prefix}.{j}.{side}.weight" for j in range(experts)]
+
+
+def is_stacked(name: str) -> bool:
+    """Whether a module's tensor name is a stacked side of routed experts (`...experts.up_proj`)."""
+    return name.endswith((".experts.up_proj", ".experts.down_proj")) or name in ("experts.up_proj",
+                                                                                "experts.down_proj")
+
+
+def split_experts(state: dict) -> dict:
+    """A module's tensors by the checkpoint's names: each stacked side becomes one view per expert."""
+    out = {}
+    for k, t in state.items():
+        if is_stacked(k):
+            prefix, side = k.rsplit(".", 1)
+            out.update(zip(expert_names(prefix, side, t.shape[0]), t.unbind(0)))
+        else:
+            out[k] = t
+    return out
+
+
+def _dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The GEMMs' dtype: autocast's where it is on (as F.linear would run), else the weights'."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype
+
+
+def _grouped(rows, counts, up, down, act, observe):
+    """torch._grouped_mm over the rows sorted by expert (on CUDA: differentiable, no host sync)."""
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    a = act(F.relu(torch._grouped_mm(rows, up.transpose(-1, -2), offs=offs)).square())
+    if observe is not None:
+        observe(a)
+    return torch._grouped_mm(a, down.transpose(-1, -2), offs=offs)
+
+
+def _padded(rows, counts, up, down, act, observe):
+    """The experts that received rows, each padded to the largest count, in two batched products (bmm): a few
+    large kernels, differentiable by autograd, whatever the number of experts. The padding is zeros, which the
+    squared ReLU keeps at zero; the work is (used experts x largest count), near the routed rows when routing
+    is balanced (as the router's correction bias keeps it)."""
+    E, n = counts.shape[0], rows.shape[0]
+    ids = torch.repeat_interleave(torch.arange(E, device=rows.device), counts, output_size=n)
+    used = counts > 0
+    slot = (torch.cumsum(used, 0) - 1)[ids]
+    pos = torch.arange(n, device=rows.device) - (torch.cumsum(counts, 0) - counts)[ids]
+    cap, n_used = (int(v) for v in torch.stack([counts.max(), used.sum()]).tolist())  # one host sync
+    if n_used < E:
+        up, down = up[used], down[used]
+    x = rows.new_zeros(n_used, cap, rows.shape[-1]).index_put((slot, pos), rows)
+    a = act(F.relu(torch.bmm(x, up.transpose(-1, -2))).square())  # [used, cap, d_ff]
+    if observe is not None:
+        observe(a[slot, pos])
+    return torch.bmm(a, down.transpose(-1, -2))[slot, pos]
+
+
+_NO_GROUPED: set = set()  # (device type, dtype) where torch._grouped_mm was refused: the padded form from then on
+
+
+def expert_mlps(rows, counts, up, down, act=None, observe=None) -> torch.Tensor:
+    """Every expert's squared-ReLU MLP over its rows (`rows` sorted by expert, `counts` [experts] per expert;
+    `up` [experts, d_ff, width], `down` [experts, width, d_ff]) -> [rows, width], in autocast's dtype when it
+    is on. On CUDA one grouped GEMM per side (torch._grouped_mm); elsewhere, or where that is refused (dtype,
+    alignment, GPU generation), the padded batched form (on CPU torch's grouped GEMM runs a parallel region
+    per expert, which a busy machine makes 50x slower). `act` transforms the hidden rows between the two
+    (activation fake-quantization); `observe` sees them [rows, d_ff]."""
+    act = act or (lambda a: a)
+    dt = _dtype(rows, up)
+    rows, up, down = rows.to(dt), up.to(dt), down.to(dt)
+    key = (rows.device.type, dt)
+    if rows.device.type == "cuda" and key not in _NO_GROUPED:
+        try:
+            return _grouped(rows, counts, up, down, act, observe)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            _NO_GROUPED.add(key)
+    return _padded(rows, counts, up, down, act, observe)
+
+
+class RoutedExperts(nn.Module):
+    """`up_proj` [experts, d_ff, width] and `down_proj` [experts, width, d_ff]; `forward(rows, counts)` runs
+    each expert over its rows (sorted by expert, `counts` per expert) -> [rows, width]."""
+
+    def __init__(self, experts: int, width: int, d_ff: int):
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(experts, d_ff, width))
+        self.down_proj = nn.Parameter(torch.empty(experts, width, d_ff))
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor,
+                act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                observe: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """See `expert_mlps`."""
+        return expert_mlps(rows, counts, self.up_proj, self.down_proj, act, observe)
+
+    def mixture(self, h: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor,
+                    act: Callable[[torch.Tensor], torch.Tensor], decode: bool) -> torch.Tensor:
+        """The mixture of the chosen experts (ids and weights [n, k]) in plain tensor ops without
+        data-dependent shapes, for torch.export and ONNX: in a prefill every expert on every token (two batched
+        MatMuls over the stacked weights, mixed by one [tokens, experts] product), in a decode step a gather of
+        the chosen experts' weights. Each weight keeps the DequantizeLinear -> MatMul pattern TensorRT builds."""
+        up, down, w = self.up_proj.to(h.dtype), self.down_proj.to(h.dtype), w.to(h.dtype)
+        if decode:
+            a = act(F.relu(torch.einsum("nw,nkfw->nkf", h, up[chosen])).square())
+            return torch.einsum("nkf,nkwf,nk->nw", a, down[chosen], w)
+        mix = torch.zeros(h.shape[0], up.shape[0], dtype=h.dtype, device=h.device).scatter(1, chosen, w)
+        a = act(F.relu(torch.matmul(h, up.transpose(-1, -2))).square())  # [experts, n, d_ff]
+        y = torch.matmul(a, down.transpose(-1, -2))  # [experts, n, width]
+        return torch.bmm(mix[:, None], y.transpose(0, 1))[:, 0]
