@@ -108,16 +108,21 @@ def _forward(model, windows: torch.Tensor, batch: int, who: str = ""):
 def text_metrics(model, windows: torch.Tensor, token_bytes=None, batch: int = 8) -> dict:
     """Next-token cross-entropy over every position of windows [n, T] of token ids: bits per byte (the summed NLL
     in bits over the UTF-8 bytes the scored tokens stand for, `token_bytes[id]`; None: one byte per token, the
-    byte codec), NLL per token (nats) and perplexity. Bits per byte compares models across tokenizers."""
-    total, count, nbytes = 0.0, 0, 0
-    for ids, logits, _ in _forward(model, windows, batch):
+    byte codec), NLL per token (nats) and perplexity. Bits per byte compares models across tokenizers. With an
+    MTP head, from the same pass, its top-1 accuracy (`mtp_accuracy`'s figure)."""
+    total, count, nbytes, mtp_hit, mtp_count = 0.0, 0, 0, 0, 0
+    for ids, logits, mtp in _forward(model, windows, batch):
         total += nll(logits[:, :-1], ids[:, 1:]).sum().item()
         count += ids[:, 1:].numel()
         nbytes += count_bytes(ids[:, 1:], token_bytes)
+        if mtp is not None:
+            mtp_hit += (mtp[:, 1:-1].argmax(-1).cpu() == ids[:, 2:]).sum().item()
+            mtp_count += ids[:, 2:].numel()
     if nbytes == 0:
         raise PuzzlekitError("the scored tokens stand for no text (only special tokens): bits per byte is undefined")
     return {"bits_per_byte": total / nbytes / LN2, "nll_per_token": total / count,
-            "perplexity": math.exp(min(total / count, 700.0)), "tokens": count, "bytes": nbytes}
+            "perplexity": math.exp(min(total / count, 700.0)), "tokens": count, "bytes": nbytes,
+            **({"mtp_top1_accuracy": mtp_hit / mtp_count} if mtp_count else {})}
 
 
 def count_bytes(ids: torch.Tensor, token_bytes=None) -> int:
@@ -255,7 +260,10 @@ def acceptance_length(model, prompts: torch.Tensor, k: int, new_tokens: int, dra
                 accepted += 1
             lengths.append(accepted + 1)
             kept = chunk[:, : accepted + 1]
-            state = verified if accepted == k else model.prefill(kept, state)[1]
+            if accepted < k:  # the state after the kept tokens alone (one token: the recurrent decode step)
+                state = model.decode(kept[:, 0], state)[1] if accepted == 0 else model.prefill(kept, state)[1]
+            else:
+                state = verified
             seq = torch.cat([seq, kept[0]])
             bonus = greedy[accepted]
             produced += accepted + 1

@@ -147,6 +147,38 @@ def test_acceptance_length_bounds(model, windows, k):
     assert 1.0 <= real <= k + 1
 
 
+def _acceptance_from_scratch(model, prompts, k, new_tokens):
+    """The oracle: every step drafts with `mtp_drafter` (the head over the whole sequence, fresh) and verifies
+    with the trunk over the whole sequence, fresh; no state is carried."""
+    drafter, lengths = evaluate.mtp_drafter(model), []
+    for seq in prompts:
+        with torch.no_grad():
+            bonus, produced = int(model(seq[None])[0][0, -1].argmax()), 0
+            while produced < new_tokens:
+                drafts = drafter(seq, bonus, k)
+                cand = torch.cat([seq, torch.tensor([bonus] + drafts)])
+                greedy = model(cand[None])[0][0, len(seq):].argmax(-1).tolist()
+                accepted = next((i for i in range(k) if drafts[i] != greedy[i]), k)
+                lengths.append(accepted + 1)
+                seq, bonus, produced = cand[: len(seq) + 1 + accepted], greedy[accepted], produced + accepted + 1
+    return sum(lengths) / len(lengths)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_acceptance_from_the_decode_state_equals_running_every_step_from_scratch(k):
+    """The built-in model's trained head drafts well on text, so drafts are kept whole, in part and not at all:
+    every path of the cached verification runs."""
+    from puzzlekit import ir
+    from puzzlekit.tools.default_model import DEFAULT_MODEL
+
+    model = materialize(ir.load(DEFAULT_MODEL))
+    text = b"def main(argv):\n    for name in sorted(argv):\n        print(name)\n    return 0\n\n\nclass Point:\n"
+    ids = torch.tensor(list(text))
+    prompts = torch.stack([ids[i:i + 16] for i in (0, 20, 40)])
+    got = evaluate.acceptance_length(model, prompts, k, 16)
+    assert 1.3 < got and got == pytest.approx(_acceptance_from_scratch(model, prompts, k, 16))
+
+
 def test_mtp_drafter_first_draft_is_the_heads_prediction(model, windows):
     seq = windows[0, :9]
     bonus = int(model(seq[None])[0][0, -1].argmax())

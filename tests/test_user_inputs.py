@@ -66,7 +66,7 @@ def _model_copy(subword, d: Path, template: str | None = None) -> Path:
 
 @pytest.fixture(scope="module")
 def sixty(tmp_path_factory) -> Path:
-    """The issue's corpus: 60 Python source files of the standard library, each truncated to 6 KB, one
+    """A plain corpus: 60 Python source files of the standard library, each truncated to 6 KB, one
     {"text": ...} per line."""
     files = [f for f in stdlib_files() if f.stat().st_size > 1000][:60]
     out = tmp_path_factory.mktemp("sixty") / "docs.jsonl"
@@ -113,7 +113,7 @@ def test_the_byte_model_scores_a_whole_text_file(tmp_path, capsys):
 
 def _crafted(tmp_path) -> Path:
     """60 documents of which the split's hash holds out three, the largest of them last: cut into thirds by
-    position at document starts, the report set was empty (the issue's `0 tokens`)."""
+    position at document starts, the report set was empty (`0 tokens`)."""
     f = tmp_path / "crafted.jsonl"
     held = [i for i in range(60) if pk_data.is_validation(f"crafted.jsonl:{i + 1}")]
     body = [f.read_text(errors="replace") for f in stdlib_files()[300:] if f.stat().st_size > 8000][:60]
@@ -365,7 +365,7 @@ def test_a_tokenizer_without_bos_or_eos(subword, tasks, tmp_path, capsys):
     assert json.loads(out)["rows"][0]["metric"] == "exact_match"
 
 
-# -- acceptance: compress on the issue's corpus ----------------------------------------------------------------------
+# -- compress on the plain corpus ------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_compress_quick_on_the_sixty_documents(subword, sixty, tmp_path, capsys):
     before = sha(sixty, subword.model)

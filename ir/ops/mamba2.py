@@ -133,6 +133,8 @@ def ssd_chunked(x, dt, A, B, C, chunk: int, init_state, export: bool = False):
     """
     b, t, h, p = x.shape
     n = B.shape[-1]
+    if not export:  # a short step (a few verified tokens, a chunked prefill's tail) is one chunk of its own length
+        chunk = max(1, min(chunk, t))
     c = (t + chunk - 1) // chunk + (1 if export else 0)
     pad = c * chunk - t
     x = F.pad(x * dt[..., None], (0, 0, 0, 0, 0, pad)).reshape(b, c, chunk, h, p)

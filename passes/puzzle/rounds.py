@@ -92,7 +92,8 @@ class Made:
         return key in self.names
 
     def __getitem__(self, key: tuple) -> dict[str, torch.Tensor]:
-        return {k: self.store.get(f"{key[0]}/{key[1]}/{k}") for k in self.names[key]}
+        names = self.names[key]
+        return dict(zip(names, self.store.get_many([f"{key[0]}/{key[1]}/{k}" for k in names])))
 
 
 def _same(spec: OpSpec, op: OpSpec) -> bool:
