@@ -8,7 +8,7 @@ matrices are each 1,024 x 2,688. Each stage runs in a fresh process under /usr/b
 transformers' own forward over the same windows and generate on the same MTP prompts, on the same weights.
 
 `--layers 22 44 88` and `--experts 64 512` build variants (experts at equal bytes: d_ff scaled by 512 / experts);
-the growth exponents d log(time) / d log(count) are printed for the stages run on more than one variant.
+the growth exponents d log(CPU time) / d log(count) are printed for the stages run on more than one variant.
 
 Run: python benchmarks/counts.py [--layers 88] [--experts 512] [--topk 22] [--stages eval quantize-fp8 ...]
                                  [--keep DIR] [--json FILE]
@@ -100,7 +100,7 @@ def corpus(path: Path) -> Path:
 def commands(ckpt: Path, work: Path, data: Path) -> dict[str, list[str]]:
     cli = [sys.executable, "-m", "puzzlekit.tools"]
     grid = work / "grid.toml"
-    grid.write_text("[mamba2]\nheads = [64]\n[moe]\nexperts = [256]\ntop_k = [11]\n[attention]\nkv_heads = [1]\n")
+    grid.write_text("[mamba2]\nheads = [0.5]\n[moe]\nexperts = [0.5]\ntop_k = [0.5]\n[attention]\nkv_heads = [1]\n")
     lib = work / "lib"
     d = ["--data", str(data)]
     run = lambda pipe, name: [*cli, "run", str(ckpt), "-p", pipe, "-o", str(work / name), "--overwrite", *d]
@@ -114,13 +114,13 @@ def commands(ckpt: Path, work: Path, data: Path) -> dict[str, list[str]]:
         "distill": run(f"snapshot{{name=teacher}},distill{{steps=4,seq={SEQ}}}", "distilled"),
         "quantize-fp8": run("quantize{recipe=fp8}", "fp8"),
         "quantize-nvfp4": run("quantize{recipe=nvfp4-hybrid}", "nvfp4"),
-        "mtp-check": run("mtp-check", "mtp"),
+        "mtp-check": run("snapshot{name=teacher},mtp-check", "mtp"),
         "export-onnx": [*cli, "export-onnx", str(ckpt), "--target", "h100", "-o", str(work / "onnx"), "--overwrite"],
         "build-engine": [*cli, "build-engine", str(ckpt), "--target", "h100", "--build", "no", "-o",
                          str(work / "bundle"), "--overwrite"],
         "check-serving": [*cli, "check-serving", str(work / "fp8")],
         "compress": [*cli, "compress", str(ckpt), "--quick", "--target", "h100", "--speedup", "1.5", "-o",
-                     str(work / "compress"), "--overwrite", *d],
+                     str(work / "compress"), *d],
     }
 
 
@@ -171,13 +171,16 @@ def transformers_baseline(ckpt: Path) -> dict:
 
 
 def growth(rows: list[dict], key: str) -> dict[str, float]:
-    """d log(wall) / d log(count) between the smallest and largest variant in `key`, per stage, others equal."""
+    """d log(CPU time) / d log(count) between the smallest and largest variant in `key`, per stage, others
+    equal (CPU time: another job on the machine stretches the wall time far more)."""
+    other = "experts" if key == "layers" else "layers"
     out = {}
-    for stage in {r["stage"] for r in rows}:
-        pts = sorted((r[key], r["wall_s"]) for r in rows if r["stage"] == stage and "error" not in r)
+    for stage, fixed in {(r["stage"], r[other]) for r in rows}:
+        pts = sorted((r[key], r["cpu_s"]) for r in rows
+                     if (r["stage"], r[other]) == (stage, fixed) and "error" not in r)
         if len(pts) >= 2 and pts[0][0] != pts[-1][0]:
             (a, ta), (b, tb) = pts[0], pts[-1]
-            out[stage] = math.log(tb / ta) / math.log(b / a)
+            out[f"{stage} ({other} {fixed})"] = math.log(tb / ta) / math.log(b / a)
     return out
 
 

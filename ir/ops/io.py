@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,7 +28,10 @@ class Embed(OpSpec):
         return Work(0.0, {"weight": float(min(n, self.vocab) * self.hidden)}, n * self.hidden, kernels=1)
 
     def build(self):
-        return nn.Embedding(self.vocab, self.hidden)
+        w = torch.empty(self.vocab, self.hidden)
+        if not w.is_meta:  # as nn.Embedding initialises; on the meta device nothing (its normal_ costs 2 s there)
+            nn.init.normal_(w)
+        return nn.Embedding(self.vocab, self.hidden, _weight=w)
 
 
 @dataclass(frozen=True)

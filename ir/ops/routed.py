@@ -1,4 +1,4 @@
-"""A MoE layer's routed experts as one module: two stacked parameters and grouped GEMMs over routed rows.
+"""A MoE layer's routed experts as one module: two stacked parameters and batched products over routed rows.
 
 The checkpoint stores one matrix per expert (`experts.{j}.up_proj.weight`, as Nemotron-3 ships); the module
 holds them stacked, `up_proj` [experts, d_ff, width] and `down_proj` [experts, width, d_ff], as transformers'
@@ -12,9 +12,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-SIDES = ("up_proj", "down_proj")
-
 
 def expert_names(prefix: str, side: str, experts: int) -> list[str]:
     """The checkpoint's names of one side of a layer's experts: `{prefix}.{j}.{side}.weight`, j = 0..experts-1
