@@ -30,7 +30,8 @@ class ProgramModule(nn.Module):
 
     `prefill(input_ids, state=None)` and `decode(token_ids, state)` also return the decode state: a flat
     tuple of tensors in the order of `state_names` (conv/SSM state per Mamba block, K/V per attention
-    block, the MTP head's own). Its state_dict keys are the checkpoint's tensor names.
+    block, the MTP head's own). Its state_dict keys are the checkpoint's tensor names, but for the routed
+    experts, held stacked (`checkpoint_state` gives the checkpoint's per-expert names).
     """
 
     def __init__(self, prog: Program, device: str | torch.device = "cpu"):
@@ -121,8 +122,8 @@ def load_into(root: nn.Module, w: WeightStore, device, nodes, base: str = "") ->
     ProgramModule, a node's path for that node's module alone); `nodes` are the nodes it holds.
 
     Every tensor is assigned in place of the module's own (no load_state_dict walk over the module tree);
-    routed experts are read one layer side at a time (`WeightStore.get_many`: one read per run of the file)
-    and stacked."""
+    a layer's routed experts are read together (`WeightStore.get_many`: one read per run of the file) and
+    stacked."""
     wanted = []  # per module: [(attribute, is buffer, checkpoint names)], stacked
     for path, mod in root.named_modules():
         prefix = ".".join(p for p in (base, path) if p)
