@@ -116,8 +116,8 @@ def text_metrics(model, windows: torch.Tensor, token_bytes=None, batch: int = 8)
         count += ids[:, 1:].numel()
         nbytes += count_bytes(ids[:, 1:], token_bytes)
         if mtp is not None:
-            mtp_hit += (mtp[:, 1:-1].argmax(-1).cpu() == ids[:, 2:]).sum().item()
-            mtp_count += ids[:, 2:].numel()
+            hit, n = _mtp_hits(ids, mtp)
+            mtp_hit, mtp_count = mtp_hit + hit, mtp_count + n
     if nbytes == 0:
         raise PuzzlekitError("the scored tokens stand for no text (only special tokens): bits per byte is undefined")
     return {"bits_per_byte": total / nbytes / LN2, "nll_per_token": total / count,
@@ -167,9 +167,14 @@ def mtp_accuracy(model, windows: torch.Tensor, batch: int = 8) -> float:
     for ids, _, mtp in _forward(model, windows, batch):
         if mtp is None:
             raise ValueError("the model has no MTP head")
-        hit += (mtp[:, 1:-1].argmax(-1).cpu() == ids[:, 2:]).sum().item()
-        count += ids[:, 2:].numel()
+        h, n = _mtp_hits(ids, mtp)
+        hit, count = hit + h, count + n
     return hit / count
+
+
+def _mtp_hits(ids: torch.Tensor, mtp: torch.Tensor) -> tuple[int, int]:
+    """(positions whose MTP top-1 is the token after next, positions scored): position 0 left out."""
+    return (mtp[:, 1:-1].argmax(-1).cpu() == ids[:, 2:]).sum().item(), ids[:, 2:].numel()
 
 
 # -- self-speculative decoding -------------------------------------------------------------------------------

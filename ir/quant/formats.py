@@ -129,8 +129,10 @@ def _block_amax(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(*w.shape[:-1], -1, NVFP4_BLOCK).abs().amax(-1)
 
 
-def nvfp4_global_scale(w: torch.Tensor, block_amax: torch.Tensor | None = None) -> torch.Tensor:
-    amax = (w.abs() if block_amax is None else block_amax).amax().float()
+def nvfp4_global_scale(w: torch.Tensor, block_amax: torch.Tensor | None = None, dims=None) -> torch.Tensor:
+    """amax / (6 * 448) over the whole tensor, or over `dims` (kept: one scale per stacked weight)."""
+    a = w.abs() if block_amax is None else block_amax
+    amax = (a.amax() if dims is None else a.amax(dim=dims, keepdim=True)).float()
     s2 = amax / (E2M1_MAX * FP8_MAX)
     return torch.where(s2 == 0, torch.ones_like(s2), s2)
 

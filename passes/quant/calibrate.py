@@ -87,8 +87,7 @@ def _quantize_stacked(w: torch.Tensor, fmt: str) -> list | None:
     bamax = w.reshape(*w.shape[:-1], -1, NVFP4_BLOCK).abs().amax(-1)
     if not bool(torch.isfinite(bamax).all()):
         return None
-    s2 = bamax.amax(dim=dims, keepdim=True).float() / (6.0 * FP8_MAX)  # each weight's global scale
-    s2 = torch.where(s2 == 0, torch.ones_like(s2), s2)
+    s2 = nvfp4_global_scale(w, bamax, dims)  # each weight's global scale
     q = quantize_nvfp4(w, block_scale=nvfp4_block_scale(w, s2, block_amax=bamax), global_scale=s2)
     # each weight its own tensors (a checkpoint holds no views of one another): one copy per weight and part
     return [NVFP4Tensor(d.clone(), b.clone(), g, w.dtype)
