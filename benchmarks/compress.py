@@ -35,10 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from puzzlekit import evaluate
+from puzzlekit import evaluation as evaluate
 from puzzlekit.backends.cost import get_scenario
 from puzzlekit.backends.torch import materialize
-from puzzlekit.data import HELD_OUT, held_out_windows, load_corpus
+from puzzlekit.text.data import HELD_OUT, held_out_windows, load_corpus
 from puzzlekit.ir.printer import format_table
 from puzzlekit.outputs import write_json
 from puzzlekit.passes import AnalysisManager, PassError, PassManager

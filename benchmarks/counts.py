@@ -141,7 +141,7 @@ TRANSFORMERS = """
 import json, sys, time, torch, resource
 from transformers import AutoModelForCausalLM
 from puzzlekit import data as D, ir
-from puzzlekit.tokenizer import tokenizer_of
+from puzzlekit.text.tokenizer import tokenizer_of
 ckpt, datafile, windows, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.manual_seed(0)
 t0, c0 = time.perf_counter(), time.process_time()

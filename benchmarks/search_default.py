@@ -10,9 +10,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from puzzlekit import evaluate
+from puzzlekit import evaluation as evaluate
 from puzzlekit.backends.torch import materialize
-from puzzlekit.data import held_out_windows, load_corpus
+from puzzlekit.text.data import held_out_windows, load_corpus
 from puzzlekit.ir.printer import format_table
 from puzzlekit.passes.puzzle import Library, build_library
 from puzzlekit.passes.puzzle.search import Constraints, PlanError, Search

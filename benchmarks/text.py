@@ -44,7 +44,7 @@ def main() -> None:
     a = ap.parse_args()
     import os
 
-    from puzzlekit.tokenizer import load_tokenizer
+    from puzzlekit.text.tokenizer import load_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["PUZZLEKIT_CACHE"] = str(Path(tmp) / "cache")

@@ -22,7 +22,7 @@ def routing_stats(prog: Program, am: AnalysisManager, samples: int = 16, seq: in
     import torch
 
     from ..backends.torch.stream import StreamedProgram
-    from ..data import calibration_windows
+    from ..text.data import calibration_windows
 
     if samples < 1 or seq < 1:
         raise PassError(f"routing analysis: samples={samples} and seq={seq} must both be >= 1")

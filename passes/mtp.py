@@ -26,7 +26,7 @@ from .distill import teacher_program
 def acceptance(prog, prompts, drafts: int, new_tokens: int, compute=None) -> float:
     from ..backends.torch.device import CPU
     from ..backends.torch.stream import StreamedProgram
-    from ..evaluate import acceptance_length
+    from ..evaluation import acceptance_length
 
     if not prog.find("mtp"):
         raise PassError("mtp-check: the model has no MTP head")
@@ -47,8 +47,8 @@ class MTPCheck(ComputePass):
     minimum: ClassVar[dict] = {"drafts": 1, "tolerance": 0.0, "prompts": 1, "prompt_len": 1, "new_tokens": 1}
 
     def run(self, prog, am):
-        from ..data import corpus_for, held_out_windows
-        from ..tokenizer import check_shared
+        from ..text.data import corpus_for, held_out_windows
+        from ..text.tokenizer import check_shared
 
         teacher = teacher_program(self.teacher, am)
         if not prog.find("mtp") and not teacher.find("mtp"):  # a model without a head (Nemotron-3-Nano) keeps none

@@ -274,7 +274,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}
 
 
 def _stdlib_texts(limit: int, skip: int = 0) -> list[str]:
-    from puzzlekit.data import stdlib_files
+    from puzzlekit.text.data import stdlib_files
 
     out, size = [], 0
     for f in stdlib_files()[skip:]:
@@ -377,7 +377,7 @@ def subword(tmp_path_factory):
 def _source_lines() -> list[str]:
     """Source lines of 30+ characters from the first stdlib files that hold 200 of them (the same on any machine
     with the same Python)."""
-    from puzzlekit.data import stdlib_files
+    from puzzlekit.text.data import stdlib_files
 
     out = []
     for f in stdlib_files():

@@ -122,7 +122,7 @@ def test_bad_pass_options(capsys, tmp_path, pipeline, words):
 
 
 def test_pass_options_checked_from_python_too():
-    from puzzlekit.data import DataError, sequential_windows
+    from puzzlekit.text.data import DataError, sequential_windows
     from puzzlekit.passes import AnalysisManager, PassError
     from puzzlekit.passes.quant import Quantize
     from puzzlekit.tools.default_model import load_default

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from puzzlekit import data as pk_data
-from puzzlekit.data import (HELD_OUT, MIN_SET_TOKENS, SEPARATOR, DataError, covering_windows, held_out_windows,
+from puzzlekit.text import data as pk_data
+from puzzlekit.text.data import (HELD_OUT, MIN_SET_TOKENS, SEPARATOR, DataError, covering_windows, held_out_windows,
                             is_validation, load_corpus, require_windows, split_documents)
 
 
@@ -116,7 +116,7 @@ def test_too_few_documents_are_cut_inside_and_said_once(tmp_path, capsys):
 def test_each_use_draws_from_its_own_set(tmp_path):
     from puzzlekit.passes.distill import Distill, text_source
     from puzzlekit.passes.puzzle.build import LibrarySettings, library_windows
-    from puzzlekit.tokenizer import BYTES
+    from puzzlekit.text.tokenizer import BYTES
     from puzzlekit.tools.default_model import load_default
 
     data = [str(tmp_path / "docs200")]
@@ -151,7 +151,7 @@ def test_covering_windows_predict_every_token_once():
 
 
 def test_the_cache_key_names_the_split_rule_and_the_document_format(monkeypatch):
-    from puzzlekit.tokenizer import BYTES
+    from puzzlekit.text.tokenizer import BYTES
 
     key = pk_data._cache_key([], BYTES, 10)
     monkeypatch.setattr(pk_data, "SPLIT_RULE", pk_data.SPLIT_RULE + "x")

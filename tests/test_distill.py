@@ -251,7 +251,7 @@ def _draft_agreement(prog, windows) -> float:
 
 
 def test_compress_quick_head_recovery_keeps_trained_weights_that_draft_better_for_the_trunk(head_recovery, parent):
-    from puzzlekit.data import corpus_for, held_out_windows
+    from puzzlekit.text.data import corpus_for, held_out_windows
 
     pruned, recovered, report = head_recovery
     assert report["kept"] > 0 and report["best"]["step"] == report["kept"], report["evals"]  # not its start

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from puzzlekit import evaluate
+from puzzlekit import evaluation as evaluate
 from puzzlekit.backends.torch import materialize, random_weights
 from puzzlekit.errors import PuzzlekitError
-from puzzlekit.data import (DataError, is_validation, random_windows, sequential_windows, stdlib_corpus, stdlib_files,
+from puzzlekit.text.data import (DataError, is_validation, random_windows, sequential_windows, stdlib_corpus, stdlib_files,
                             load_corpus)
 from puzzlekit.tools.default_model import default_architecture
 

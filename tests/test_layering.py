@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"errors": 0, "outputs": 0, "memory": 0, "hub": 0, "eta": 0, "ir": 1, "tokenizer": 1, "documents": 1, "data": 1, "backends": 2, "evaluate": 2, "lm_eval_model": 2, "training": 2, "passes": 3, "tools": 4}
+LAYERS = {"errors": 0, "outputs": 0, "memory": 0, "eta": 0, "ir": 1, "text": 1, "backends": 2, "evaluation": 2, "training": 2,
+          "passes": 3, "tools": 4}
 
 
 def imported_packages(text: str, rel: Path) -> list[tuple[int, str]]:

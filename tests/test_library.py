@@ -14,7 +14,7 @@ import torch
 
 from puzzlekit import ir
 from puzzlekit.backends.torch import materialize
-from puzzlekit.data import held_out_windows, load_corpus, sequential_windows
+from puzzlekit.text.data import held_out_windows, load_corpus, sequential_windows
 from puzzlekit.passes.puzzle import GridError, Library, LibraryError, LibrarySettings, build_library, load_grid
 from puzzlekit.backends.torch.stream import StreamedProgram
 from puzzlekit.passes.puzzle.bld import block_module, linear_fit, nmse
@@ -279,7 +279,7 @@ def test_at_2x_cpu_throughput_the_mip_child_beats_the_baselines(lib, parent, tmp
 
 
 def _mip_against_baselines(lib, parent):
-    from puzzlekit import evaluate
+    from puzzlekit import evaluation as evaluate
     from puzzlekit.passes.puzzle.search import Constraints, PlanError, Search
 
     # every option (no engine's rules): at 2x cpu the default profile leaves one all-or-nothing Mamba cut, and

@@ -7,7 +7,7 @@ import torch
 
 from puzzlekit import ir
 from puzzlekit.backends.torch.stream import StreamedProgram
-from puzzlekit.data import held_out_windows, load_corpus, sequential_windows
+from puzzlekit.text.data import held_out_windows, load_corpus, sequential_windows
 from puzzlekit.ir.checkpoint import spec_to_dict
 from puzzlekit.passes import PassManager
 from puzzlekit.passes.puzzle.bld import block_module, nmse

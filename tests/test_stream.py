@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from puzzlekit import evaluate, ir
+from puzzlekit import evaluation as evaluate, ir
 from puzzlekit.backends.torch import materialize
 from puzzlekit.backends.torch import stream as stream_module
 from puzzlekit.backends.torch.device import Compute
 from puzzlekit.backends.torch.stream import StreamedProgram
-from puzzlekit.data import held_out_windows, load_corpus, sequential_windows
+from puzzlekit.text.data import held_out_windows, load_corpus, sequential_windows
 from puzzlekit.memory import parse_size
 from puzzlekit.passes import PassManager
 from puzzlekit.passes.puzzle import LibrarySettings, build_library

@@ -20,7 +20,7 @@ from puzzlekit import ir  # noqa: E402
 from puzzlekit.backends.torch import materialize  # noqa: E402
 from puzzlekit.tools.cli import main  # noqa: E402
 
-import puzzlekit.lm_eval_model  # noqa: E402,F401  (registers "puzzlekit")
+import puzzlekit.evaluation.lm_eval_model  # noqa: E402,F401  (registers "puzzlekit")
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tools" / "default-model"

@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from puzzlekit import data as pk_data  # noqa: E402
+from puzzlekit.text import data as pk_data  # noqa: E402
 from puzzlekit import ir  # noqa: E402
-from puzzlekit.data import HELD_OUT, corpus_for, held_out_windows, load_corpus  # noqa: E402
-from puzzlekit.tokenizer import BYTES, load_tokenizer, tokenizer_of  # noqa: E402
+from puzzlekit.text.data import HELD_OUT, corpus_for, held_out_windows, load_corpus  # noqa: E402
+from puzzlekit.text.tokenizer import BYTES, load_tokenizer, tokenizer_of  # noqa: E402
 from puzzlekit.tools.cli import main  # noqa: E402
 
 

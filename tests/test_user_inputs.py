@@ -19,8 +19,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from puzzlekit import data as pk_data  # noqa: E402
-from puzzlekit.data import HELD_OUT, stdlib_files  # noqa: E402
+from puzzlekit.text import data as pk_data  # noqa: E402
+from puzzlekit.text.data import HELD_OUT, stdlib_files  # noqa: E402
 from puzzlekit.tools.cli import main  # noqa: E402
 
 
@@ -171,7 +171,7 @@ def test_a_fifo_as_data_is_refused_without_opening_it(tmp_path, capsys, watchdog
 
 
 def test_a_json_file_is_read_as_records(subword, tmp_path):
-    from puzzlekit.tokenizer import load_tokenizer
+    from puzzlekit.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(subword.model)
     chat = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]

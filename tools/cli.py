@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..data import HELD_OUT
+from ..text.data import HELD_OUT
 from ..errors import PuzzlekitError, UsageError
 from ..memory import return_freed_memory
 from ..outputs import OutputError, declared_inputs

@@ -229,7 +229,7 @@ def load_model(args, text: bool = False):
     work: a subword model without one is refused."""
     from .. import ir
     from ..backends.torch.device import use_threads
-    from ..tokenizer import set_tokenizer, tokenizer_of
+    from ..text.tokenizer import set_tokenizer, tokenizer_of
     from .default_model import model_path
 
     prog = ir.load(model_path(args.model))
@@ -254,7 +254,7 @@ HELD_OUT_USE = {"library": ("scoring", "seq", 1), "distill": ("selection", "seq"
 def check_held_out(passes, corpus) -> None:
     """Before any work: every held-out set a pipeline's passes (nested ones too) will draw windows from holds one
     (data.require_windows names the set, its tokens and what to change)."""
-    from ..data import require_windows
+    from ..text.data import require_windows
 
     for p in passes:
         if p.pass_name in HELD_OUT_USE:

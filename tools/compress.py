@@ -158,8 +158,8 @@ def _parent(args, src: Path):
     """The model to compress, with its tokenizer (refused before any work when a subword model has none) and
     the data checked to read."""
     from .. import ir
-    from ..data import corpus_for
-    from ..tokenizer import set_tokenizer
+    from ..text.data import corpus_for
+    from ..text.tokenizer import set_tokenizer
 
     parent = ir.load(src)
     set_tokenizer(parent, args.tokenizer)
@@ -169,7 +169,7 @@ def _parent(args, src: Path):
 
 def _check_held_out(args, out: Path, library: Path, corpus) -> None:
     """Before any work: every held-out set the pipeline's passes and the report draw windows from holds one."""
-    from ..data import require_windows
+    from ..text.data import require_windows
     from ..errors import read_text
     from ..passes import parse_pipeline, resolve_pipeline
     from ..passes.pipeline import PIPELINES_DIR
@@ -185,9 +185,9 @@ def _check_held_out(args, out: Path, library: Path, corpus) -> None:
 
 def _run_key(parent, args) -> str:
     """What the stage checkpoints belong to: the parent's weights, and the text it is compressed on."""
-    from ..documents import fingerprint
+    from ..text.documents import fingerprint
     from ..ir.identity import program_hash
-    from ..tokenizer import BYTES, tokenizer_of
+    from ..text.tokenizer import BYTES, tokenizer_of
 
     tok = tokenizer_of(parent)
     key = program_hash(parent)

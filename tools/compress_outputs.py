@@ -105,8 +105,8 @@ def quality(parent, child, args) -> dict:
     on): KL and top-1 agreement to the parent, bits per byte and NLL per token, MTP acceptance length; and
     which windows."""
     from ..backends.torch.stream import StreamedProgram
-    from ..data import corpus_for, held_out_windows
-    from ..evaluate import acceptance_length, teacher_agreement, text_metrics
+    from ..text.data import corpus_for, held_out_windows
+    from ..evaluation import acceptance_length, teacher_agreement, text_metrics
     from .common import compute_of
 
     n, prompts, new_tokens = REPORT_BUDGET[bool(args.quick)]
@@ -214,7 +214,7 @@ def decode_figures(prog, target: str, scenario, batch: int, context: int | None 
 
     from ..backends.cost import CostModel
     from ..backends.torch import materialize
-    from ..evaluate import decode_throughput
+    from ..evaluation import decode_throughput
 
     plain = dataclasses.replace(scenario, mtp_draft=0, mtp_acceptance=0.0)
     context = context or plain.decode_context
@@ -239,7 +239,7 @@ def bundle(prog, args, out: Path, model: Path | None = None) -> dict:
     scenario = get_scenario(args.scenario, recipe=deploy_recipe(args.target) or None)
     calib = None
     if scenario.kv_dtype == "fp8":  # the KV cache's scales from the run's own text, as build-engine calibrates
-        from ..data import calibration_windows
+        from ..text.data import calibration_windows
 
         calib = calibration_windows(args.data or [], KV_CALIBRATION[0], KV_CALIBRATION[1], prog)
     rep = write_bundle(prog, out, target, scenario, overwrite=True, calibration_ids=calib, checkpoint=model,

@@ -41,7 +41,7 @@ def model_path(model: str | None) -> Path:
         return DEFAULT_MODEL
     if "/" not in model and not Path(model).exists() and config_path(model).is_file():
         return config_path(model)
-    from ..hub import resolve
+    from ..text.hub import resolve
 
     return resolve(model, "model")
 

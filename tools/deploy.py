@@ -108,7 +108,7 @@ def build_engine(args) -> int:
     check_fp4(formats(prog), target)
     calib = None
     if scenario.kv_dtype == "fp8":  # KV-cache scales from text windows, as the quantize pass calibrates
-        from ..data import calibration_windows
+        from ..text.data import calibration_windows
 
         calib = calibration_windows(args.data or [], args.calib_samples, 128, prog)
     # serving commands for the checkpoint, unless it was quantized here: then the engines would serve other weights

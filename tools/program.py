@@ -56,7 +56,7 @@ def run(args) -> int:
     out = check_output(args.output, [src, *(args.data or [])], args.overwrite, need)  # before the work, not after
     prog = load_model(args, text=reads_text(passes))
     if reads_text(passes):  # every held-out set the passes draw windows from, before any of them runs
-        from ..data import corpus_for
+        from ..text.data import corpus_for
 
         check_held_out(passes, corpus_for(prog, args.data))
     ins = Instrumentation(verify_each=args.verify_each, print_ir_after=args.print_ir_after,

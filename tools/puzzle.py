@@ -44,7 +44,7 @@ def run_library(args) -> int:
     compute = compute_of(args)
     prog = load_model(args)
     if not prog.is_meta:  # a weightless library (a bare config) reads no text: no tokenizer needed
-        from ..data import corpus_for, require_windows
+        from ..text.data import corpus_for, require_windows
 
         require_windows(corpus_for(prog, args.data or None), "scoring", args.seq + 1, "library --seq")
     settings = LibrarySettings(calib_windows=args.calib_windows, score_windows=args.score_windows, seq=args.seq,

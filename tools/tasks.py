@@ -161,7 +161,7 @@ def evaluate_tasks(model, tasks: dict, limit=None, num_fewshot=None, batch_size:
 def model_for(prog, compute, batch_size: int = 8):
     """The lm-eval model of a loaded program (registered as `puzzlekit` by this import)."""
     _lm_eval()
-    from ..lm_eval_model import PuzzlekitLM
+    from ..evaluation.lm_eval_model import PuzzlekitLM
 
     return PuzzlekitLM(program=prog, compute=compute, batch_size=batch_size)
 
@@ -192,7 +192,7 @@ def table(rows_: list[dict]) -> str:
 def eval_command(args) -> int:
     """`puzzlekit eval MODEL --tasks T1,T2 [--teacher T]`: the tasks' metrics, and the teacher's beside them."""
     from .. import ir
-    from ..tokenizer import check_shared, set_tokenizer
+    from ..text.tokenizer import check_shared, set_tokenizer
     from .common import compute_of, emit, load_model
     from .default_model import model_path
 

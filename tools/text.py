@@ -25,7 +25,7 @@ def train(args) -> int:
                       checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes)
     tokenizer = None
     if args.tokenizer:
-        from ..tokenizer import load_tokenizer
+        from ..text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
     m = run_training(Path(args.output), cfg, args.data, progress=not args.json, compute=compute, tokenizer=tokenizer)
@@ -43,7 +43,7 @@ def _scored_text(args, corpus):
     (default report) in consecutive windows, as a run that trained or chose on the same text saw it. Returns the
     windows (a list of [n, seq + 1] and possibly a shorter last one), the unigram baseline's counts, and a
     description of what was scored."""
-    from ..data import covering_windows, held_out_windows
+    from ..text.data import covering_windows, held_out_windows
 
     if args.data and not args.held_out:
         stream, lengths = corpus.in_file_order()
@@ -58,10 +58,10 @@ def _scored_text(args, corpus):
 
 
 def evaluate(args) -> int:
-    from .. import evaluate, ir
+    from .. import evaluation as evaluate, ir
     from ..backends.torch.stream import StreamedProgram
-    from ..data import corpus_for
-    from ..tokenizer import check_shared, set_tokenizer, vocab_of
+    from ..text.data import corpus_for
+    from ..text.tokenizer import check_shared, set_tokenizer, vocab_of
     from .default_model import model_path
 
     if args.tasks:
@@ -116,7 +116,7 @@ def greedy(prefill, decode, n: int, logits_of, model=None, stop: int | None = No
     logits stop it naming the likely cause, rather than decoding NaN as token 0."""
     import numpy as np
 
-    from ..evaluate import check_finite
+    from ..evaluation import check_finite
 
     outs, state = prefill()
     new, done = [], None
@@ -152,14 +152,14 @@ def generate(args) -> int:
 
     from .. import ir
     from ..backends.torch import materialize
-    from ..tokenizer import tokenizer_of
+    from ..text.tokenizer import tokenizer_of
 
     compute = compute_of(args)
     prog = ir.verify(load_model(args, text=True))
     tok = tokenizer_of(prog)
     text = args.prompt
     if args.chat:
-        from ..tokenizer import TemplateError
+        from ..text.tokenizer import TemplateError
 
         try:
             text = tok.render_chat([{"role": "user", "content": args.prompt}], generation_prompt=True)

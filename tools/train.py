@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from .. import evaluate, ir
+from .. import evaluation as evaluate, ir
 from ..backends.torch import checkpoint_state, materialize, random_weights
 from ..backends.torch.device import CPU, Compute
-from ..data import DataError, held_out_windows, load_corpus, random_windows, require_windows
-from ..tokenizer import BYTES
+from ..text.data import DataError, held_out_windows, load_corpus, random_windows, require_windows
+from ..text.tokenizer import BYTES
 from ..errors import PuzzlekitError
 from ..training import Schedule, fit
 from .default_model import default_architecture

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import evaluate as metrics
+from ...evaluation import metrics
 from .sharding import _reshard
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ... import evaluate as metrics
+from ...evaluation import metrics
 from ...training import Schedule
 from ..core import PassError
 
@@ -142,7 +142,7 @@ def mtp_self_loss(b: Batch) -> torch.Tensor:
 def text_source(d: Distill, tokenizer) -> Source:
     """Random windows of the `data` (or the Python standard library) in the model's tokenization; evaluated on
     the held-out `selection` set, which no reported figure uses (the best weights are chosen there)."""
-    from ...data import held_out_windows, load_corpus, random_windows
+    from ...text.data import held_out_windows, load_corpus, random_windows
 
     corpus = load_corpus(list(d.data) or None, tokenizer=tokenizer)
     return Source(lambda g: random_windows(corpus.train, d.batch, d.seq + 1, g),

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from ... import evaluate as metrics
+from ...evaluation import metrics
 from ...backends.torch.device import CPU, Compute
 from ...ir import Program
 from ...ir.identity import program_hash
-from ...tokenizer import check_shared, tokenizer_of
+from ...text.tokenizer import check_shared, tokenizer_of
 from ...training import FileCheckpoint, ShardedCheckpoint, distributed, fit
 from ..core import PassError
 from .evaluator import Evaluator

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ... import evaluate as metrics
+from ...evaluation import metrics
 from ...backends.torch.device import Compute
 from ...ir import Program
 from ...ir.identity import program_hash

@@ -138,7 +138,7 @@ def library_windows(s: LibrarySettings, prog: Program) -> tuple[torch.Tensor, to
     """(calibration windows [n, seq] from the training split, windows [m, seq + 1] of the held-out set the
     scores are measured on: the search minimises them, so no reported figure may use that text), in the
     program's own tokenization."""
-    from ...data import calibration_windows, corpus_for, held_out_windows
+    from ...text.data import calibration_windows, corpus_for, held_out_windows
 
     return (calibration_windows(s.data, s.calib_windows, s.seq, prog),
             held_out_windows(corpus_for(prog, s.data or None), SCORED_ON, s.seq + 1, limit=s.score_windows))

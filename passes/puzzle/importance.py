@@ -203,6 +203,6 @@ def importance(prog: Program, am: AnalysisManager, samples: int = 32, seq: int =
                device: str = "cpu") -> dict:
     """Ranks of every prunable unit (see passes.puzzle.importance) on `samples` calibration windows."""
     from ...backends.torch.device import resolve
-    from ...data import calibration_windows
+    from ...text.data import calibration_windows
 
     return compute_importance(prog, calibration_windows(list(data), samples, seq, prog), compute=resolve(device))

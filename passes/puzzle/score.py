@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...evaluate import agrees, check_finite, kl, nll
+from ...evaluation import agrees, check_finite, kl, nll
 
 
 class Scorer:

@@ -6,7 +6,7 @@ import sys
 from dataclasses import field
 from typing import ClassVar
 
-from ...data import calibration_windows
+from ...text.data import calibration_windows
 from ...eta import Remaining
 from ..core import ComputePass, PassError, Preserved, pipeline_data, register
 from ..manager import progress
@@ -54,7 +54,7 @@ class Quantize(ComputePass):
     def run(self, prog, am):
         from ...backends.targets import get_target
         from ...backends.torch.stream import StreamedProgram
-        from ...evaluate import teacher_agreement
+        from ...evaluation import teacher_agreement
 
         recipe = get_recipe(self.recipe)
         recipe.check_target(get_target(self.target) if self.target else None)

@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .errors import UsageError
+from ..errors import UsageError
 
 #: what a hub repository id looks like: `owner/name` (a bare name is taken for a local path)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

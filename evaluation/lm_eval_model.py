@@ -1,6 +1,6 @@
 """puzzlekit programs as an lm-evaluation-harness model, registered as `puzzlekit` when this module is imported.
 
-    import puzzlekit.lm_eval_model, lm_eval
+    import puzzlekit.evaluation.lm_eval_model, lm_eval
     lm_eval.simple_evaluate(model="puzzlekit", model_args="pretrained=DIR,device=cuda,dtype=bfloat16", tasks=[...])
 
 It runs on puzzlekit's own backend, so whatever `ir.load` reads evaluates: the published child, the extended
@@ -22,12 +22,12 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from . import ir
-from .backends.torch import materialize
-from .backends.torch.device import resolve
-from .backends.torch.stream import StreamedProgram
-from .errors import UsageError
-from .tokenizer import set_tokenizer, tokenizer_of
+from .. import ir
+from ..backends.torch import materialize
+from ..backends.torch.device import resolve
+from ..backends.torch.stream import StreamedProgram
+from ..errors import UsageError
+from ..text.tokenizer import set_tokenizer, tokenizer_of
 
 #: the byte codec has no end-of-text id; a newline starts a document for the built-in model (its separator)
 BYTE_EOT = 10

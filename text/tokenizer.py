@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UsageError
-from .ir.companions import has_tokenizer
+from ..errors import UsageError
+from ..ir.companions import has_tokenizer
 
 BYTE_VOCAB = 256
 

@@ -26,7 +26,7 @@ import torch
 
 from .documents import FORMAT as DOCUMENT_FORMAT
 from .documents import TEXT_SUFFIXES, DataError, fingerprint, read_documents
-from .outputs import atomic_file, cache_dir
+from ..outputs import atomic_file, cache_dir
 from .tokenizer import BYTES
 
 __all__ = ["HELD_OUT", "TEXT_SUFFIXES", "Corpus", "DataError", "corpus_for", "covering_windows", "held_out_windows",

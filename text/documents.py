@@ -18,7 +18,7 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".jsonl", ".c", ".h", ".toml", ".cfg", ".ini", ".html",
                  ".parquet"}
@@ -59,7 +59,7 @@ def record_text(rec, where: str, chat: Chat) -> str:
     """The document a record holds (see the module's docstring for the fields read, in order)."""
     if not isinstance(rec, dict):
         raise DataError(f"{where}: each record must be an object with a text, messages or prompt field")
-    from .errors import PuzzlekitError
+    from ..errors import PuzzlekitError
 
     for key in ("messages", "conversations"):
         if rec.get(key) is not None:
