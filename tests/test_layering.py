@@ -1,5 +1,6 @@
-"""Layering: ir <- backends <- passes <- tools, with the leaf modules (errors, outputs) below all; no module
-imports a layer above its own, at module level or inside a function."""
+"""Layering: the ground floor (errors, outputs, memory, eta) <- ir, text <- backends, evaluation, training <- passes
+<- tools; no module imports a layer above its own, at module level or inside a function. The package root holds
+only the ground floor and the packages, and no module outgrows one concern (400 lines)."""
 from __future__ import annotations
 
 import ast
@@ -117,3 +118,23 @@ def test_the_circle_check_sees_function_level_imports():
     known = {"passes.distill", "passes.puzzle.library", "passes.puzzle", "ir"}
     text = "from .. import ir\ndef f():\n    from .puzzle.library import parent_hash\n"
     assert imported_modules(text, Path("passes/distill.py"), known) == {"ir", "passes.puzzle.library"}
+
+
+#: what the package root holds besides the layers: the tests, the benchmarks and the package's own files
+NOT_CODE = {"__init__.py", "tests", "benchmarks", "docs", "runs", "README.md", "pyproject.toml"}
+
+
+def test_the_root_holds_the_ground_floor_and_the_packages():
+    """A new concern gets a package (and a floor in LAYERS), not a module beside them."""
+    tracked = {p.name for p in ROOT.iterdir() if not p.name.startswith(".") and p.name not in NOT_CODE
+               and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    loose = sorted(n for n in tracked if n.removesuffix(".py") not in LAYERS)
+    assert not loose, f"modules or packages outside the floors: {loose}: give them a floor in LAYERS"
+    upstairs = sorted(n for n in tracked if n.endswith(".py") and LAYERS[n.removesuffix(".py")] > 0)
+    assert not upstairs, f"only ground-floor modules stand at the root, not {upstairs}: move them into a package"
+
+
+@pytest.mark.parametrize("file", list(sources()), ids=lambda f: str(f.relative_to(ROOT)))
+def test_no_module_over_400_lines(file):
+    lines = len(file.read_text().splitlines())
+    assert lines <= 400, f"{file.relative_to(ROOT)} has {lines} lines: split it by concern"

@@ -6,25 +6,19 @@ in layouts.py.
 from __future__ import annotations
 
 import math
-from fnmatch import fnmatch
 
 from ...errors import PuzzlekitError
 from ...ir import Program
-from ...ir.quant.recipe import get_recipe
 from ..layout import Layout, shard_class
 from ..measured import MeasuredProvider
 from ..targets import Target, get_target
 from .analytic import AnalyticProvider
-from .precision import BYTES, precision_of
+from .precision import BYTES, RecipePrecisions
 from .provider import Deployment, Provider
 from .report import CostReport
 from .scenario import Scenario
 
 
-#: (recipe, op, path signature) -> per parameter its precision, shared by the cost models (see `_precisions`)
-_PRECISIONS: dict = {}
-#: (recipe, op, path signature) -> a number standing for its precision table (`CostModel._precision_token`)
-_TOKENS: dict = {}
 #: (recipe, op, path signature) -> its stored bytes per sharding class (`CostModel._bytes`)
 _CLASS_BYTES: dict = {}
 
@@ -51,46 +45,14 @@ class CostModel:
         s = self.scenario
         self.act_b, self.kv_b, self.ssm_b = BYTES[s.act_dtype], BYTES[s.kv_dtype], BYTES[s.ssm_dtype]
         self.deployment = Deployment(self.layout, self.act_b, self.kv_b, self.ssm_b, s.mtp_draft + 1, s.cuda_graphs)
-        self._formats: dict = {}
         self._node_memo: dict = {}
-        self._recipe_paths = [r.path for r in get_recipe(scenario.recipe).rules] if scenario.recipe else []
-        self._signatures: dict = {}  # path -> which recipe patterns it matches
+        self._prec = RecipePrecisions(self.scenario.recipe)
         self._static_memo: dict = {}  # what a node's figures owe nothing to the batch: priced once per layout
-        self.precisions = {n.path: self._precisions(n.path, n.op) for n in prog.nodes}
-        self._prec_keys = {n.path: self._precision_token(n.path, n.op) for n in prog.nodes}
+        self.precisions = {n.path: self._prec.of(n.path, n.op) for n in prog.nodes}
+        self._prec_keys = {n.path: self._prec.token(n.path, n.op) for n in prog.nodes}
         self._memo: dict = {}  # identical layers (same spec, precisions, routing) are priced once per shape
         self._activation = None
         self._device_weight_total = None
-
-    def _precisions(self, path: str, op) -> dict:
-        """Per parameter its storage precision; shared by every cost model of the recipe (a 512-expert MoE has a
-        thousand parameters, and a search prices its variants on every layout), keyed by the recipe's path
-        patterns `path` matches: paths that match the same ones get the same precisions."""
-        key = (self.scenario.recipe, op, self._path_signature(path))
-        if key not in _PRECISIONS:
-            if len(_PRECISIONS) > 1 << 16:
-                _PRECISIONS.clear()
-            if op.kind == "lm_head" and op.tied:
-                _PRECISIONS[key] = {"weight": "bf16"}
-            else:
-                fp32 = op.fp32_params()
-                _PRECISIONS[key] = {k: "fp32" if k in fp32 else self._format(path, k, op) for k in op.params()}
-        return _PRECISIONS[key]
-
-    def _precision_token(self, path: str, op) -> int:
-        """A number standing for `_precisions(path, op)` in memo keys: hashing a 512-expert MoE's thousand
-        entries at every price would be most of what a search spends."""
-        return _TOKENS.setdefault((self.scenario.recipe, op, self._path_signature(path)), len(_TOKENS))
-
-    def _format(self, path: str, param: str, op) -> str:
-        """A parameter's storage precision by the scenario's recipe, looked up once per (path, parameter): the
-        search prices many variants of each layer, and a 512-expert MoE has a thousand parameters."""
-        if not self.scenario.recipe:
-            return precision_of(path, param, op)
-        key = (path, param)
-        if key not in self._formats:
-            self._formats[key] = precision_of(path, param, op, self.scenario.recipe)
-        return self._formats[key]
 
     def _resident(self, op) -> bool:
         """Whether a node's weights and state are in memory: the MTP head only when serving drafts with it."""
@@ -143,18 +105,10 @@ class CostModel:
         serving step (decode plus its share of prefills: `serve_seconds`), one device's weight and per-request
         state bytes (state at the full context, or `context`), parameters. The program's figures are the sum
         of its nodes' plus a per-step overhead, which is how the search prices variants."""
-        key = (op, batch, context, None if routing is None else tuple(routing), self._path_signature(path))
+        key = (op, batch, context, None if routing is None else tuple(routing), self._prec.signature(path))
         if key not in self._node_memo:  # the same variant in many layers is priced once
             self._node_memo[key] = self._node_costs(path, op, batch, context, routing)
         return self._node_memo[key]
-
-    def _path_signature(self, path: str) -> tuple:
-        """Which of the recipe's path patterns `path` matches: paths that match the same ones get the same
-        precisions for every parameter."""
-        sig = self._signatures.get(path)
-        if sig is None:
-            sig = self._signatures[path] = tuple(fnmatch(path, glob) for glob in self._recipe_paths)
-        return sig
 
     def _node_costs(self, path: str, op, batch: int, context, routing) -> dict:
         prec, key, static = self._static(path, op, context, routing)
@@ -167,10 +121,10 @@ class CostModel:
     def _static(self, path: str, op, context, routing) -> tuple[dict, tuple, dict]:
         """A node's precisions and the figures that do not depend on the batch (prefill, bytes, parameters),
         once per layout: the search prices every batch it tries."""
-        mkey = (op, context, None if routing is None else tuple(routing), self._path_signature(path))
+        mkey = (op, context, None if routing is None else tuple(routing), self._prec.signature(path))
         if mkey not in self._static_memo:
-            prec = self._precisions(path, op)
-            key = self._precision_token(path, op)
+            prec = self._prec.of(path, op)
+            key = self._prec.token(path, op)
             resident = self._resident(op)
             self._static_memo[mkey] = (prec, key, {
                 "prefill_seconds": self._runs(op, prec, routing, self.prefill_parts(op), key),
@@ -200,10 +154,10 @@ class CostModel:
         """A node's stored weight bytes (one device's share with `shard`): summed per sharding class once per
         spec and recipe, for every layout (a 512-expert MoE has a thousand tensors), then split as this
         layout splits each class."""
-        key = (self.scenario.recipe, op, self._path_signature(path))
+        key = (self.scenario.recipe, op, self._prec.signature(path))
         per = _CLASS_BYTES.get(key)
         if per is None:
-            prec, per = self._precisions(path, op), {}
+            prec, per = self._prec.of(path, op), {}
             for k, shape in op.params().items():
                 c = shard_class(op, k)
                 per[c] = per.get(c, 0.0) + math.prod(shape) * BYTES[prec[k]]

@@ -50,7 +50,7 @@ def groups(cm: CostModel, rows: list[dict], specs: list) -> tuple[list[int], np.
     if id(rows) not in memo:
         index: dict = {}
         inverse = [index.setdefault((spec, r["path"] if r["id"] == "parent" and cm.routing.get(r["path"]) else None,
-                                     cm._path_signature(r["path"])), i)
+                                     cm._prec.signature(r["path"])), i)
                    for i, (r, spec) in enumerate(zip(rows, specs))]
         first = list(dict.fromkeys(inverse))
         position = {i: k for k, i in enumerate(first)}
