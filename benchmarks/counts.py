@@ -140,7 +140,8 @@ def timed(cmd: list[str]) -> dict:
 TRANSFORMERS = """
 import json, sys, time, torch, resource
 from transformers import AutoModelForCausalLM
-from puzzlekit import data as D, ir
+from puzzlekit import ir
+from puzzlekit.text import data as D
 from puzzlekit.text.tokenizer import tokenizer_of
 ckpt, datafile, windows, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.manual_seed(0)

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from puzzlekit import data
+from puzzlekit.text import data
 
 
 def train_tokenizer(d: Path, vocab: int) -> Path:
