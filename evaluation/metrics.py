@@ -86,7 +86,8 @@ def _checked(out, model, who: str):
     return out
 
 
-def _outputs(model, ids, who: str = ""):
+def checked_outputs(model, ids, who: str = ""):
+    """(logits, MTP logits or None) of `model` on `ids`, refused when not finite (`who` names the model)."""
     return _checked(model(ids), model, who)
 
 
@@ -95,7 +96,7 @@ def _forward(model, windows: torch.Tensor, batch: int, who: str = ""):
     runs all the windows through one layer before reading the next."""
     if not hasattr(model, "outputs"):
         for ids in _batches(windows, batch):
-            yield ids, *_outputs(model, ids, who)
+            yield ids, *checked_outputs(model, ids, who)
         return
     for rows, out in model.outputs(windows, batch):
         vals = tuple(out.values())

@@ -32,7 +32,7 @@ from typing import ClassVar
 from ..core import ComputePass, PassError, Preserved, pipeline_data, register
 # re-exported for importing; to replace one (a test's monkeypatch), set it on its own module, which is where
 # the others look it up (e.g. sharding.shard_model, teacher_store.CHUNK_BYTES)
-from .evaluator import Evaluator, stored_agreement
+from .evaluator import Evaluator
 from .registries import (CALLBACKS, DATA, LOSSES, OPTIMIZERS, Batch, Outputs, Source, adamw_cosine, cosine_loss,
                          kl_loss, lm_loss, mtp_loss, mtp_self_loss, register_callback, register_data, register_loss,
                          register_optimizer, soft_kl, text_source, topk_kl)
@@ -69,7 +69,6 @@ __all__ = [
            "register_optimizer",
            "shard_model",
            "soft_kl",
-           "stored_agreement",
            "teacher_program",
            "text_source",
            "topk_kl",

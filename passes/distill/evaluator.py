@@ -1,5 +1,5 @@
 """The held-out evaluation of a distillation run: agreement with the live teacher or with its stored
-top-k (`stored_agreement`), and the `Evaluator` callback that keeps the best weights and calls the user's
+top-k, by the `Evaluator` callback that keeps the best weights and calls the user's
 `on_eval` callbacks; apart from the run because its state is checkpointed with it."""
 from __future__ import annotations
 
@@ -7,24 +7,6 @@ import torch
 
 from ...evaluation import metrics
 from .sharding import _reshard
-
-
-@torch.no_grad()
-def stored_agreement(student, windows: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
-                     batch: int = 8) -> dict:
-    """`evaluate.teacher_agreement` from the teacher's stored top-k on `windows` [n, T] (values, indices
-    [n, T, k]): the KL as `topk_kl` approximates it, top-1 agreement exactly (the top-k's first index is the
-    teacher's argmax)."""
-    kl, agree, count = 0.0, 0, 0
-    for i in range(0, len(windows), batch):
-        ids = windows[i:i + batch]
-        out = student(ids)
-        logits = out[0] if isinstance(out, tuple) else out
-        v, ix = values[i:i + batch].to(logits.device), indices[i:i + batch].to(logits.device)
-        kl += metrics.topk_kl(v, ix, logits).sum().item()
-        agree += metrics.agrees(ix[..., 0], logits).sum().item()
-        count += ids.numel()
-    return {"kl": kl / count, "top1_agreement": agree / count}
 
 
 class Evaluator:
@@ -52,23 +34,34 @@ class Evaluator:
 
     @torch.no_grad()
     def measure(self) -> dict:
+        """One forward of the student and one of the teacher per batch of windows, every figure from them (the
+        MTP head's from position 1, as the losses)."""
         was = self.model.training
         self.model.eval()
-        if self.teacher is None:
-            m = stored_agreement(self.model, self.windows, *self.stored)
-        else:
-            m = metrics.teacher_agreement(self.teacher, self.model, self.windows)
-        if self.model.program.find("mtp"):  # from position 1, as the losses
-            pair = self.teacher is not None and self.teacher.program.find("mtp")
-            kl, own = 0.0, 0.0
-            for ids in self.windows.split(8):
-                logits, mtp = self.model(ids)
+        head = bool(self.model.program.find("mtp"))
+        pair = head and self.teacher is not None and bool(self.teacher.program.find("mtp"))
+        kl = agree = own = head_kl = 0.0
+        for i in range(0, len(self.windows), 8):
+            ids = self.windows[i:i + 8]
+            logits, mtp = metrics.checked_outputs(self.model, ids, " (student)")
+            if self.teacher is None:
+                v, ix = (t[i:i + 8].to(logits.device) for t in self.stored)
+                kl += metrics.topk_kl(v, ix, logits).sum().item()
+                agree += metrics.agrees(ix[..., 0], logits).sum().item()
+            else:
+                t_logits, t_mtp = metrics.checked_outputs(self.teacher, ids, " (teacher)")
+                kl += metrics.kl(t_logits, logits).sum().item()
+                agree += metrics.agrees(t_logits.argmax(-1), logits).sum().item()
+            if head:
                 own += metrics.kl(logits[:, 1:], mtp[:, 1:]).sum().item()  # against the trunk that verifies it
-                if pair:
-                    kl += metrics.kl(self.teacher(ids)[1][:, 1:], mtp[:, 1:]).sum().item()
-            m["mtp_self_kl"] = own / self.windows[:, 1:].numel()
             if pair:
-                m["mtp_kl"] = kl / self.windows[:, 1:].numel()
+                head_kl += metrics.kl(t_mtp[:, 1:], mtp[:, 1:]).sum().item()
+        count, shifted = self.windows.numel(), self.windows[:, 1:].numel()
+        m = {"kl": kl / count, "top1_agreement": agree / count}
+        if head:
+            m["mtp_self_kl"] = own / shifted
+        if pair:
+            m["mtp_kl"] = head_kl / shifted
         if self.metric == "mtp_loss":
             m["mtp_loss"] = sum(w * m[k] for k, w in self.mtp_weights.items())
         self.model.train(was)
