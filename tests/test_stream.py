@@ -78,6 +78,21 @@ def test_streamed_evaluation_equals_the_whole_models(parent):
     assert a["kl"] > 1e-5 and _close(a["kl"], b["kl"]) and a["top1_agreement"] == b["top1_agreement"]
 
 
+def test_recorded_outputs_score_as_the_model_did_and_only_on_their_windows(parent, spills):
+    """A teacher recorded once (spilling past a tiny budget) scores a student as the live teacher does."""
+    windows = sequential_windows(load_corpus(None).valid, 65, limit=6)
+    child = parent.copy()
+    PassManager("set-topk{k=1}").run(child)
+    recorded = StreamedProgram(parent, TINY).record(windows, 4)
+    assert spills  # the record itself spilled
+    got = evaluate.teacher_agreement(recorded, materialize(child), windows, batch=4)
+    want = evaluate.teacher_agreement(materialize(parent), materialize(child), windows, batch=4)
+    assert got["kl"] > 1e-5 and _close(got["kl"], want["kl"]) and got["top1_agreement"] == want["top1_agreement"]
+    for other in ((windows[:4], 4), (windows, 8)):
+        with pytest.raises(ValueError, match="windows and batch they were recorded on"):
+            evaluate.teacher_agreement(recorded, materialize(child), *other[:1], batch=other[1])
+
+
 def _floats_close(a, b, path="") -> None:
     """Equal structure and strings/ints; floats within 1e-5 relative."""
     if isinstance(a, dict):

@@ -80,6 +80,27 @@ class Tape:
         self._items = []
 
 
+class Recorded:
+    """A model's outputs on one set of windows in one batching (`StreamedProgram.record`), in tapes sharing
+    `room` bytes: `outputs` as a streamed model's, for those windows and that batch only."""
+
+    def __init__(self, windows: torch.Tensor, batch: int, room: list[int]):
+        self.windows, self.batch, self.room, self.tapes = windows, batch, room, {}
+
+    def add(self, out: dict) -> None:
+        for name, value in out.items():
+            self.tapes.setdefault(name, Tape(self.room)).append(value)
+
+    def outputs(self, windows: torch.Tensor, batch: int = 8):
+        if batch != self.batch or not torch.equal(windows, self.windows):
+            raise ValueError("recorded outputs are read for the windows and batch they were recorded on")
+        start = 0
+        for b in range(len(next(iter(self.tapes.values())))):
+            vals = {name: tape[b] for name, tape in self.tapes.items()}
+            rows = len(next(iter(vals.values())))
+            yield slice(start, start + rows), vals
+            start += rows
+
 def module_bytes(m: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
 
@@ -210,6 +231,15 @@ class StreamedProgram:
         for f in finishes:
             if f:
                 f()
+
+    def record(self, windows: torch.Tensor, batch: int = 8, attach: Attach | None = None) -> Recorded:
+        """The program's outputs on `windows`, run once (with `attach`, e.g. a calibration's hooks) and kept in
+        tapes, to be read again as this model's by the metrics: a teacher measured against its own changed
+        copy is then run once, not once more for the report."""
+        kept = Recorded(windows, batch, [self.budget // 4])
+        for _, out in self.outputs(windows, batch, attach=attach):
+            kept.add(out)
+        return kept
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, state=None):

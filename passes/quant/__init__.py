@@ -68,12 +68,9 @@ class Quantize(ComputePass):
         teacher = StreamedProgram(prog.copy(), compute)  # the weights as they were (shared, not copied)
         act_modules = [f"{path}.{local.rsplit('.', 1)[0]}" for path, params in plan.items()
                        for local, fmt in params.items() if FORMATS[fmt][1]]
-        amax = {}
-        if act_modules:
-            calib = ActivationAmax(act_modules)
-            for _ in teacher.outputs(windows, 4, attach=calib.attach):
-                pass
-            amax = calib.amax
+        calib = ActivationAmax(act_modules) if act_modules else None
+        original = teacher.record(windows, 4, attach=calib.attach if calib else None)  # one run: calibration, report
+        amax = calib.amax if calib else {}
         ins = getattr(am, "instrument", None)
         left = Remaining("quantize", len(plan), enabled=bool(ins and ins.progress))
         for path, params in progress(plan.items(), am, "quantize", total=len(plan)):
@@ -95,7 +92,7 @@ class Quantize(ComputePass):
             prog.weights.spill_over(compute.budget // 4)
             left.done()
         report = {"recipe": self.recipe, "calib": self.calib.value, "weights": sum(len(p) for p in plan.values()),
-                  **teacher_agreement(teacher, StreamedProgram(prog, compute), windows)}
+                  **teacher_agreement(original, StreamedProgram(prog, compute), windows, batch=4)}
         am.reports["quantize"] = report
         print(f"quantize{{recipe={self.recipe}}}: {report['weights']} weights; KL to the original "
               f"{report['kl']:.5f} nats/token, top-1 agreement {report['top1_agreement']:.4f}", file=sys.stderr)
