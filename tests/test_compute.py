@@ -233,3 +233,20 @@ def test_streamed_layers_hold_their_experts_in_the_dtype_they_compute_in(make_sm
     for j in range(node.op.experts):
         stored = prog.weights.get(f"{node.path}.mixer.experts.{j}.up_proj.weight")
         assert torch.equal(mixer.experts.up_proj[j], stored.float())
+
+
+def test_weights_held_in_bf16_leave_static_activation_scales_in_float32():
+    """An FP8 W8A8 program's inputs are quantized by the calibrated float32 scales, as the engines quantize them,
+    whatever precision the weights are held in."""
+    from puzzlekit.backends.torch.device import Compute
+    from puzzlekit.passes import PassManager
+    from puzzlekit.tools.default_model import load_default
+
+    prog = load_default()
+    PassManager("quantize{recipe=fp8,samples=1,seq=16}").run(prog)
+    held = materialize(prog, compute=Compute(torch.device("cpu"), torch.bfloat16), inference=True)
+    scales = {n: b for n, b in held.named_buffers() if "input_scale" in n}
+    assert scales and all(b.dtype == torch.float32 for b in scales.values())
+    name = "backbone.layers.0.mixer.in_proj.input_scale"
+    assert scales[name].item() == prog.weights.get(name).item()
+    assert held.get_submodule("backbone.layers.0.mixer.in_proj").weight.dtype == torch.bfloat16

@@ -310,6 +310,32 @@ def test_weight_quantized_layers_traced_once_are_lowered_with_their_own_weights(
         assert inits[f"m.backbone.layers.{layer}.mixer.in_proj.weight.q"].raw_data == q.data.numpy().tobytes()
 
 
+def test_fp8_layers_traced_once_quantize_their_inputs_by_their_own_scales(tmp_path, monkeypatch):
+    """Static activation scales are each module's own tensor, so an FP8 W8A8 program is traced once per distinct
+    layer too; every layer's QuantizeLinear reads its own calibrated scale, and onnxruntime computes what torch
+    does."""
+    import puzzlekit.backends.onnx.export as export
+
+    traced = []
+    real_export = export._export
+    monkeypatch.setattr(export, "_export", lambda module, *a: traced.append(module) or real_export(module, *a))
+    prog = load_default()
+    PassManager("quantize{recipe=fp8,samples=1,seq=16}").run(prog)
+    export_onnx(prog, tmp_path / "h100", target="h100")
+    assert [len(m.reps) for m in traced] == [8, 8]
+    m = onnx.load(str(tmp_path / "h100" / PREFILL))
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in m.graph.initializer}
+    scales = {n.input[1] for n in m.graph.node if n.op_type == "QuantizeLinear"}
+    mamba = [f"backbone.layers.{layer}.mixer.in_proj.input_scale" for layer in (0, 2, 5, 7, 9)]
+    assert len({prog.weights.get(k).item() for k in mamba}) == 5  # five scales, each layer's own
+    for k in mamba:
+        assert f"m.{k}" in scales and inits[f"m.{k}"] == prog.weights.get(k).item()
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = materialize(prog)(ids)[0]
+    got, _ = OnnxModel(tmp_path / "h100").prefill(ids.numpy())
+    np.testing.assert_allclose(got["logits"], want.numpy(), atol=2e-3, rtol=2e-3)
+
 def test_the_exported_graph_does_not_grow_with_the_routed_experts():
     """Prefill runs every expert in two batched MatMuls over the stacked weights and mixes them in one product:
     the same graph for 4 experts as for 512 (a graph of nodes per expert took minutes and 13 GB to export at

@@ -9,8 +9,9 @@ decode graph is assembled node by node in the program's order from copies of its
 values renamed per node, its weights its own (`m.<path>.<param>`, the names the whole-program export gives
 them), the constants of the trace shared. Export time then grows with the distinct layers, not with depth.
 
-Activation quantization holds its scales as traced constants, not named weights, so such a program (and one
-with no repeated layer, which gains nothing) is exported whole (`applies`).
+Static (FP8) activation scales are the modules' own buffers (`input_scale`), weights like the others. NVFP4's
+dynamic activation quantization traces into sequence ops that only the whole program's optimisation folds, so
+such a program (and one with no repeated layer, which gains nothing) is exported whole (`applies`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from onnx import AttributeProto, ModelProto, NodeProto, TensorProto, ValueInfoPr
 from torch import nn
 
 from ...ir.quant.formats import QUANT_FORMATS
+
 
 
 def _key(node, module: nn.Module):
@@ -44,9 +46,9 @@ def groups(module) -> dict:
 
 
 def applies(prog, module) -> bool:
-    """Whether a traced layer may stand for its group: some layer repeats, and no activation is quantized."""
-    acts = any(QUANT_FORMATS.get(fmt, (None, None))[1] for n in prog.nodes for _, fmt in n.op.quant)
-    return not acts and len(groups(module)) < len(module._nodes)
+    """Whether a traced layer may stand for its group: some layer repeats, and no activation is NVFP4."""
+    fp4 = any(QUANT_FORMATS.get(fmt, (None, None))[1] == "nvfp4" for n in prog.nodes for _, fmt in n.op.quant)
+    return not fp4 and len(groups(module)) < len(module._nodes)
 
 
 class Unstitchable(Exception):

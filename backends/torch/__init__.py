@@ -181,17 +181,22 @@ def _dense(t):
 
 
 def _quantize_input(root: nn.Module, path: str, fmt: str, scale: torch.Tensor) -> None:
+    """Fake-quantises the input of the module at `path` by its static `scale`, held as the module's buffer
+    `input_scale` (not saved: the checkpoint holds it under the same name), so that an export names it as the
+    module's own tensor and a layer's graph serves every layer of its kind (backends.onnx.pieces)."""
     from ...ir.quant.formats import fake_quantize
 
     if ".experts." in path:  # routed experts run inside their mixer: one scale per side, the largest
         mixer_path, rest = path.split(".experts.", 1)
         side = "up" if rest.endswith("up_proj") else "down"
         mixer = root.get_submodule(mixer_path)
-        acts = mixer.__dict__.setdefault("expert_act", {})
-        old = acts.get(side, (fmt, scale))[1]
-        acts[side] = (fmt, torch.maximum(old, scale))
+        old = getattr(mixer, f"input_scale_{side}", scale)
+        mixer.register_buffer(f"input_scale_{side}", torch.maximum(old, scale), persistent=False)
+        mixer.__dict__.setdefault("expert_act", {})[side] = fmt
         return
-    root.get_submodule(path).register_forward_pre_hook(lambda m, args: (fake_quantize(args[0], fmt, scale),))
+    module = root.get_submodule(path)
+    module.register_buffer("input_scale", scale, persistent=False)
+    module.register_forward_pre_hook(lambda m, args: (fake_quantize(args[0], fmt, m.input_scale),))
 
 
 def materialize(prog: Program, dtype: torch.dtype | None = None, compute: Compute | None = None,
@@ -216,11 +221,12 @@ def hold_in(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Casts once what autocast casts on every call, the Linear, Conv1d and routed experts' weights, to the
     forward's `dtype`: the same numbers without a cast of every weight in every forward. For inference: an
     optimizer steps float32 master weights. Norms, routers and the embedding stay as stored (autocast leaves
-    them too)."""
+    them too), and so do static activation scales (buffers: the engines quantize by float32 scales)."""
     if dtype != torch.float32:
         for m in module.modules():
             if isinstance(m, (nn.Linear, nn.Conv1d, RoutedExperts)):
-                m.to(dtype)
+                for p in m.parameters(recurse=False):
+                    p.data = p.data.to(dtype)
     return module
 
 

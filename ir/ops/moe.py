@@ -196,8 +196,7 @@ class MoEMixer(nn.Module):
             return x
         from ..quant.formats import fake_quantize
 
-        fmt, scale = acts[side]
-        return fake_quantize(x, fmt, scale)
+        return fake_quantize(x, acts[side], getattr(self, f"input_scale_{side}"))
 
     def expert_outputs(self, h, chosen, observe=None):
         """h [n, width] through each token's chosen experts (ids [n, k]) -> [n, k, width].
