@@ -126,21 +126,18 @@ def _segsum(a):
     return seg.masked_fill(~mask, float("-inf"))
 
 
-def ssd_chunked(x, dt, A, B, C, chunk: int, init_state, export: bool = False):
-    """Chunked state-space-duality scan.
+def ssd_chunked(x, dt, A, B, C, chunk: int, init_state):
+    """The chunked state-space-duality scan in its export form: a graph without a loop or a branch on the length.
 
     x [b,t,h,p], dt [b,t,h] (discretisation step, already positive), A [h] (negative),
     B, C [b,t,h,n], init_state [b,h,p,n]. Returns y [b,t,h,p] (without the D skip) and the final state.
-    Within a chunk the scan is an attention-like quadratic form; across chunks the state is carried one chunk
-    after the other, so no tensor grows with the square of the length beyond a chunk's. The export form
-    (`export`) carries it with a [chunks+1, chunks+1] decay matrix instead, a graph without a loop or a branch on
-    the length, and zero-pads to at least two chunks (padded steps have dt = 0: they neither decay nor update).
+    Within a chunk the scan is an attention-like quadratic form; across chunks the state is carried with a
+    [chunks+1, chunks+1] decay matrix, after zero-padding to at least two chunks (padded steps have dt = 0: they
+    neither decay nor update). `ssd_grouped` runs the same sums chunk after chunk.
     """
     b, t, h, p = x.shape
     n = B.shape[-1]
-    if not export:  # a short step (a few verified tokens, a chunked prefill's tail) is one chunk of its own length
-        chunk = max(1, min(chunk, t))
-    c = (t + chunk - 1) // chunk + (1 if export else 0)
+    c = (t + chunk - 1) // chunk + 1
     pad = c * chunk - t
     x = F.pad(x * dt[..., None], (0, 0, 0, 0, 0, pad)).reshape(b, c, chunk, h, p)
     B = F.pad(B, (0, 0, 0, 0, 0, pad)).reshape(b, c, chunk, h, n)
@@ -153,19 +150,10 @@ def ssd_chunked(x, dt, A, B, C, chunk: int, init_state, export: bool = False):
     # state contributed by each chunk, then carried across chunks
     to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b,h,c,l]
     chunk_states = torch.einsum("bclhn,bclhp->bchpn", B * to_end.permute(0, 2, 3, 1)[..., None], x)
-    init = init_state.to(chunk_states.dtype)
-    if export:
-        states = torch.cat([init[:, None], chunk_states], dim=1)  # [b,c+1,h,p,n]
-        chunk_decay = torch.exp(_segsum(F.pad(a_cum[..., -1], (1, 0))))  # [b,h,c+1,c+1]
-        states = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)
-        prev_states, final = states[:, :-1], states[:, -1]
-    else:
-        decay = torch.exp(a_cum[..., -1])[..., None, None]  # [b,h,c,1,1]: each chunk's decay of the state
-        prev, state = [], init
-        for z in range(c):
-            prev.append(state)
-            state = state * decay[:, :, z] + chunk_states[:, z]
-        prev_states, final = torch.stack(prev, 1), state
+    states = torch.cat([init_state.to(chunk_states.dtype)[:, None], chunk_states], dim=1)  # [b,c+1,h,p,n]
+    chunk_decay = torch.exp(_segsum(F.pad(a_cum[..., -1], (1, 0))))  # [b,h,c+1,c+1]
+    states = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)
+    prev_states, final = states[:, :-1], states[:, -1]
     y_off = torch.einsum("bclhn,bchpn->bclhp", C, prev_states) * torch.exp(a_cum).permute(0, 2, 3, 1)[..., None]
     y = (y_diag + y_off).reshape(b, c * chunk, h, p)[:, :t]
     return y, final
@@ -264,7 +252,7 @@ class Mamba2Mixer(nn.Module):
                 y = torch.einsum("bhpn,bhn->bhp", ssm_state, C0)[:, None]
             elif self.export_form:
                 B, C = B.repeat_interleave(rep, dim=2), C.repeat_interleave(rep, dim=2)
-                y, ssm_state = ssd_chunked(x, dt, A, B, C, s.chunk, ssm_state.float(), export=True)
+                y, ssm_state = ssd_chunked(x, dt, A, B, C, s.chunk, ssm_state.float())
             else:
                 chunk = s.chunk if x.is_cuda else min(s.chunk, CPU_CHUNK)
                 y, ssm_state = ssd_grouped(x, dt, A, B, C, chunk, ssm_state.float())
