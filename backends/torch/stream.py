@@ -101,6 +101,7 @@ class Recorded:
             yield slice(start, start + rows), vals
             start += rows
 
+
 def module_bytes(m: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
 
@@ -232,12 +233,12 @@ class StreamedProgram:
             if f:
                 f()
 
-    def record(self, windows: torch.Tensor, batch: int = 8, attach: Attach | None = None) -> Recorded:
-        """The program's outputs on `windows`, run once (with `attach`, e.g. a calibration's hooks) and kept in
-        tapes, to be read again as this model's by the metrics: a teacher measured against its own changed
-        copy is then run once, not once more for the report."""
+    def record(self, windows: torch.Tensor, batch: int = 8, names=None, attach: Attach | None = None) -> Recorded:
+        """The values `names` (default: the program's outputs) on `windows`, run once (with `attach`, e.g. a
+        calibration's hooks) and kept in tapes, to be read again as this model's by the metrics: a teacher
+        measured against its own changed copy is then run once, not once more for the report."""
         kept = Recorded(windows, batch, [self.budget // 4])
-        for _, out in self.outputs(windows, batch, attach=attach):
+        for _, out in self.outputs(windows, batch, names, attach=attach):
             kept.add(out)
         return kept
 

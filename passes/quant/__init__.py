@@ -6,8 +6,8 @@ import sys
 from dataclasses import field
 from typing import ClassVar
 
-from ...text.data import calibration_windows
 from ...eta import Remaining
+from ...text.data import calibration_windows
 from ..core import ComputePass, PassError, Preserved, pipeline_data, register
 from ..manager import progress
 from .calibrate import ActivationAmax, input_scale, quantize_weight, quantize_weights
@@ -69,7 +69,8 @@ class Quantize(ComputePass):
         act_modules = [f"{path}.{local.rsplit('.', 1)[0]}" for path, params in plan.items()
                        for local, fmt in params.items() if FORMATS[fmt][1]]
         calib = ActivationAmax(act_modules) if act_modules else None
-        original = teacher.record(windows, 4, attach=calib.attach if calib else None)  # one run: calibration, report
+        # one run of the original: its activations calibrated, its logits kept for the report
+        original = teacher.record(windows, 4, prog.outputs[:1], attach=calib.attach if calib else None)
         amax = calib.amax if calib else {}
         ins = getattr(am, "instrument", None)
         left = Remaining("quantize", len(plan), enabled=bool(ins and ins.progress))
