@@ -97,6 +97,11 @@ def corpus(path: Path) -> Path:
     return path
 
 
+#: the stages that take --threads (the others run no model, or none long)
+THREADED = ("eval", "generate", "library", "distill", "quantize-fp8", "quantize-nvfp4", "mtp-check", "build-engine",
+            "compress")
+
+
 def commands(ckpt: Path, work: Path, data: Path) -> dict[str, list[str]]:
     cli = [sys.executable, "-m", "puzzlekit.tools"]
     grid = work / "grid.toml"
@@ -192,6 +197,9 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=22)
     ap.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers' side")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="intra-op threads of every stage (default: each stage's own choice, one per 20M parameters, "
+                         "so the 88-layer model gets two where 44 layers get one)")
     ap.add_argument("--keep", help="build (and reuse) the miniatures here instead of a temporary folder")
     ap.add_argument("--json", help="write every row here")
     args = ap.parse_args()
@@ -208,6 +216,8 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)  # every stage writes afresh (library resumes otherwise)
             work.mkdir()
             cmds = commands(ckpt, work, data)
+            if args.threads:  # one thread count for every size: the default follows the parameter count
+                cmds = {k: c + ["--threads", str(args.threads)] if k in THREADED else c for k, c in cmds.items()}
             todo = [("transformers", None)] * (not args.no_transformers) + [(s, cmds[s]) for s in args.stages]
             for stage, cmd in todo:
                 r = transformers_baseline(ckpt) if cmd is None else timed(cmd)
