@@ -82,17 +82,21 @@ def _padded(rows, counts, up, down, act, observe):
         return torch.bmm(a, down.transpose(-1, -2))[slot, pos]
     out = rows.new_zeros(n, down.shape[1])
     hidden = rows.new_empty(n, up.shape[1]) if observe is not None else None
-    for L, cap, _ in buckets:
+    # the used experts' weights gathered once, bucket after bucket, and split: the backward then adds into one
+    # zero gradient per side, not one of all the experts' size per bucket
+    order = torch.argsort(torch.where(used, level, 64), stable=True)[:n_used]
+    sizes = [m for _, _, m in buckets]
+    ups, downs = up.index_select(0, order).split(sizes), down.index_select(0, order).split(sizes)
+    for (L, cap, _), w_up, w_down in zip(buckets, ups, downs):
         mine = used & (level == L)
-        experts = torch.nonzero(mine).squeeze(1)
         slot = torch.cumsum(mine, 0) - 1
         sel = torch.nonzero(mine[ids]).squeeze(1)
         at = (slot[ids[sel]], pos[sel])
-        x = rows.new_zeros(len(experts), cap, rows.shape[-1]).index_put(at, rows[sel])
-        a = act(F.relu(torch.bmm(x, up[experts].transpose(-1, -2))).square())  # [experts, cap, d_ff]
+        x = rows.new_zeros(len(w_up), cap, rows.shape[-1]).index_put(at, rows[sel])
+        a = act(F.relu(torch.bmm(x, w_up.transpose(-1, -2))).square())  # [experts, cap, d_ff]
         if hidden is not None:
             hidden = hidden.index_copy(0, sel, a[at])
-        out = out.index_copy(0, sel, torch.bmm(a, down[experts].transpose(-1, -2))[at])
+        out = out.index_copy(0, sel, torch.bmm(a, w_down.transpose(-1, -2))[at])
     if observe is not None:
         observe(hidden)
     return out
