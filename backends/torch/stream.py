@@ -84,12 +84,12 @@ class Recorded:
     """A model's outputs on one set of windows in one batching (`StreamedProgram.record`), in tapes sharing
     `room` bytes: `outputs` as a streamed model's, for those windows and that batch only."""
 
-    def __init__(self, windows: torch.Tensor, batch: int, room: list[int], source=None):
-        self.windows, self.batch, self.room, self.tapes, self.source = windows, batch, room, {}, source
+    def __init__(self, source: StreamedProgram, windows: torch.Tensor, batch: int, room: list[int]):
+        self.source, self.windows, self.batch, self.room, self.tapes = source, windows, batch, room, {}
 
     def named_parameters(self):
         """The recorded model's weights, to name the non-finite ones when its outputs are not finite."""
-        return self.source.named_parameters() if self.source is not None else iter(())
+        return self.source.named_parameters()
 
     def add(self, out: dict) -> None:
         for name, value in out.items():
@@ -241,7 +241,7 @@ class StreamedProgram:
         """The values `names` (default: the program's outputs) on `windows`, run once (with `attach`, e.g. a
         calibration's hooks) and kept in tapes, to be read again as this model's by the metrics: a teacher
         measured against its own changed copy is then run once, not once more for the report."""
-        kept = Recorded(windows, batch, [self.budget // 4], self)
+        kept = Recorded(self, windows, batch, [self.budget // 4])
         for _, out in self.outputs(windows, batch, names, attach=attach):
             kept.add(out)
         return kept

@@ -151,8 +151,9 @@ class MoEMixer(nn.Module):
     """Routes with the op's own top-k; each expert runs only over the tokens routed to it.
 
     The routed experts are one module (`RoutedExperts`: stacked weights). Eager runs sort the (token, choice)
-    pairs by expert and run one grouped GEMM pair over all of them (`expert_outputs`): the work is what routing
-    chose, top-k of every token, whatever the number of experts, and no Python loop per expert. The ONNX export
+    pairs by expert and run them through batched products over the stacked weights (`expert_outputs`; a grouped
+    GEMM on CUDA): the work is what routing chose, top-k of every token, whatever the number of experts, and no
+    Python loop per expert. The ONNX export
     asks for `export_form` instead (`RoutedExperts.mixture`). Both give the same result.
     """
 
@@ -201,8 +202,8 @@ class MoEMixer(nn.Module):
     def expert_outputs(self, h, chosen, observe=None):
         """h [n, width] through each token's chosen experts (ids [n, k]) -> [n, k, width].
 
-        The (token, choice) pairs are sorted by expert and every expert runs over its rows in one grouped GEMM
-        pair (one autograd node under gradients). `observe(expert_ids, x, a)` sees every routed row at once,
+        The (token, choice) pairs are sorted by expert and every expert runs over its rows in the routed experts'
+        batched products (`routed.expert_mlps`), with and without gradients. `observe(expert_ids, x, a)` sees every routed row at once,
         sorted by expert: its expert, its input [rows, width] and its hidden activation [rows, d_ff]
         (activation calibration, importance statistics)."""
         n, k = chosen.shape
