@@ -20,7 +20,7 @@ from puzzlekit.backends.torch.stream import StreamedProgram
 from puzzlekit.passes.puzzle.bld import block_module, linear_fit, nmse
 from puzzlekit.passes.puzzle.grid import Variant, variants
 from puzzlekit.passes.puzzle.importance import compute_importance
-from puzzlekit.passes.puzzle.library import slice_variant
+from puzzlekit.passes.puzzle.library import replacement_spec, slice_variant
 from puzzlekit.passes.puzzle.score import Scorer, sweep_inputs
 from puzzlekit.tools.cli import main
 from puzzlekit.tools.default_model import config_path, model_path
@@ -68,6 +68,23 @@ def test_identity_scores_zero_and_noop_scores_above_zero(lib):
         assert by["parent"]["scores"]["top1"] == 1.0
         assert by["noop"]["scores"]["kl"] > 1e-4, f"layer {layer}"
         assert by["noop"]["scores"]["top1"] < 1.0
+
+
+def test_the_layer_as_it_is_scores_what_running_its_block_gives(parent):
+    """The scorer's shortcut for the parent's own block (`None`: scored from the sweep, no layer re-run) gives
+    the scores of running that block and every later layer, beside another block scored in the same call."""
+    held = held_out_windows(load_corpus(None), "scoring", 65, limit=3)
+    stream = StreamedProgram(parent)
+    scorer = Scorer(stream, held, sweep_inputs(stream, held[:, :-1]), batch=2)
+    for layer in (0, 5, len(parent.blocks()) - 1):
+        node = parent.blocks()[layer]
+        w = parent.node_weights(node)
+        own = block_module(*slice_variant(node.op, w, Variant(), {}))
+        cut = block_module(replacement_spec(node.op, "noop"), {})
+        short, ran, shrink, shrink_alone = scorer.score_layer(layer, [None, own, cut]) + scorer.score_layer(layer, [cut])
+        assert short["kl"] == 0.0 and short["top1"] == 1.0 and ran["kl"] == pytest.approx(0.0, abs=1e-7)
+        assert short["lm_loss"] == pytest.approx(ran["lm_loss"], rel=1e-6) and ran["top1"] == 1.0
+        assert short["lm_loss"] > 1.0 and shrink["kl"] > 1e-5 and shrink == shrink_alone
 
 
 def test_bld_lowers_every_trained_variants_loss(lib):

@@ -187,8 +187,9 @@ def _build_rows(prog: Program, out: Path, s: LibrarySettings, todo: list, progre
         made = [_variant(node, i, v, weights, ranks.get(node.path, {}), (x, d, vx, vd), s, clock, compute)
                 for v in pending]
         del x, d, vx, vd
+        as_is = [v == Variant() for v in pending]  # the parent's own block: scored from the sweep, not re-run
         with clock("score"):
-            scores = scorer.score_layer(i, [block for _, block in made])
+            scores = scorer.score_layer(i, [None if same else b for same, (_, b) in zip(as_is, made)])
         for v, (row, block), sc in zip(pending, made, scores):
             save_variant(out, i, v.id, {k: t.detach().cpu() for k, t in checkpoint_state(block).items()},
                          row | {"scores": sc})

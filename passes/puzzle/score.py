@@ -4,7 +4,10 @@ Recorded per variant: KL(parent || candidate) of the next-token distributions (n
 default objective), the LM loss (nats per token) and top-1 agreement with the parent. The parent's input to
 every layer and its final hidden state come from one sweep, so scoring a layer's variants runs only layers
 i+1.. of the model, and all of a layer's variants go through them together: each later layer is read once
-per layer scored (backends.torch.stream keeps the ones that fit the budget).
+per layer scored (backends.torch.stream keeps the ones that fit the budget). The layer as the model holds it
+(`None` in place of a block) is the model itself: its scores come from the sweep's final hidden state, with no
+layer re-run (exactly what running it would give: KL 0, top-1 1), which halves a library's scoring when each
+layer has one shrink beside its parent.
 """
 from __future__ import annotations
 
@@ -39,19 +42,27 @@ class Scorer:
 
     @torch.no_grad()
     def score_layer(self, layer: int, blocks: list) -> list[dict]:
-        """KL, LM loss and top-1 agreement of the parent with each of `blocks` in place of layer `layer`."""
-        x = self.inputs(layer)
-        ys = [[self._run(b, x[s]) for s in self._slices()] for b in blocks]
-        for node in self.nodes[layer + 1:]:
-            m = self.stream.module(node)
-            ys = [[self._run(m, y) for y in row] for row in ys]
+        """KL, LM loss and top-1 agreement of the parent with each of `blocks` in place of layer `layer` (`None`:
+        the layer as the model holds it)."""
         final = self.inputs(len(self.nodes))
+        run, ys = [b for b in blocks if b is not None], []
+        if run:
+            x = self.inputs(layer)
+            ys = [[self._run(b, x[s]) for s in self._slices()] for b in run]
+            for node in self.nodes[layer + 1:]:
+                m = self.stream.module(node)
+                ys = [[self._run(m, y) for y in row] for row in ys]
         sums = [[0.0, 0.0, 0.0] for _ in blocks]
         for k, s in enumerate(self._slices()):
             p = self._logits(final[s])
             top = p.argmax(-1)
-            for v, acc in enumerate(sums):
-                q = check_finite(self._logits(ys[v][k]), f"logits with layer {layer} replaced")
+            ran = (row[k] for row in ys)
+            for b, acc in zip(blocks, sums):
+                if b is None:
+                    acc[1] += nll(p, self.targets[s]).sum().item()
+                    acc[2] += self.targets[s].numel()
+                    continue
+                q = check_finite(self._logits(next(ran)), f"logits with layer {layer} replaced")
                 acc[0] += kl(p, q).sum().item()
                 acc[1] += nll(q, self.targets[s]).sum().item()
                 acc[2] += agrees(top, q).sum().item()
