@@ -252,11 +252,32 @@ def test_weights_held_in_bf16_leave_static_activation_scales_in_float32():
     assert held.get_submodule("backbone.layers.0.mixer.in_proj").weight.dtype == torch.bfloat16
 
 
+def test_the_grouped_gemm_runs_on_cpu_at_one_thread_with_aligned_rows():
+    """torch's CPU grouped GEMM opens a parallel region per expert: it is taken at one thread only, and only for
+    16-byte aligned rows (its kernel refuses others)."""
+    from puzzlekit.ir.ops.routed import _grouped_here
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert _grouped_here(torch.zeros(3, 8), torch.zeros(2, 12, 8))
+        assert not _grouped_here(torch.zeros(3, 8, dtype=torch.bfloat16), torch.zeros(2, 12, 8))  # 24-byte rows
+        assert not _grouped_here(torch.zeros(3, 6), torch.zeros(2, 12, 6))
+        torch.set_num_threads(2)
+        assert not _grouped_here(torch.zeros(3, 8), torch.zeros(2, 12, 8))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("form", ["_padded", "_grouped"])
 @pytest.mark.parametrize("skew", [0.0, 3.0])
-def test_padded_expert_products_equal_one_expert_at_a_time(skew):
-    """Evenly routed rows run as one padded batch, skewed ones in buckets of experts with about as many rows:
-    values and gradients are each expert's own MLP over its rows, against a loop over the experts."""
-    from puzzlekit.ir.ops.routed import _padded
+def test_expert_products_equal_one_expert_at_a_time(skew, form):
+    """The padded form (evenly routed rows as one padded batch, skewed ones in buckets of experts with about as
+    many rows) and torch's grouped GEMM on CPU: values and gradients are each expert's own MLP over its rows,
+    against a loop over the experts."""
+    from puzzlekit.ir import ops
+
+    run = getattr(ops.routed, form)
 
     g = torch.Generator().manual_seed(9)
     E, n, w, f = 16, 300, 8, 12
@@ -266,7 +287,7 @@ def test_padded_expert_products_equal_one_expert_at_a_time(skew):
     up = torch.randn(E, f, w, generator=g, requires_grad=True)
     down = torch.randn(E, w, f, generator=g, requires_grad=True)
     seen = []
-    got = _padded(rows, counts, up, down, lambda a: a, seen.append)
+    got = run(rows, counts, up, down, lambda a: a, seen.append)
     starts = (torch.cumsum(counts, 0) - counts).tolist()
     hidden = [torch.relu(rows[s:s + c] @ up[e].T).square() for e, (s, c) in enumerate(zip(starts, counts.tolist()))]
     want = torch.cat([h @ down[e].T for e, h in enumerate(hidden)])

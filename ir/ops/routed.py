@@ -44,7 +44,7 @@ def _dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
 
 
 def _grouped(rows, counts, up, down, act, observe):
-    """torch._grouped_mm over the rows sorted by expert (on CUDA: differentiable, no host sync)."""
+    """torch._grouped_mm over the rows sorted by expert (differentiable; on CUDA, no host sync)."""
     offs = torch.cumsum(counts, 0).to(torch.int32)
     a = act(F.relu(torch._grouped_mm(rows, up.transpose(-1, -2), offs=offs)).square())
     if observe is not None:
@@ -105,18 +105,27 @@ def _padded(rows, counts, up, down, act, observe):
 _NO_GROUPED: set = set()  # (device type, dtype) where torch._grouped_mm was refused: the padded form from then on
 
 
+def _grouped_here(rows, up) -> bool:
+    """Where torch._grouped_mm runs the experts: on CUDA, and on CPU at one intra-op thread (exact-sized GEMMs,
+    1.7x faster than the padded form for skewed routing; with more threads it opens a parallel region per expert,
+    which a busy machine makes 50x slower) when every row is 16-byte aligned, as its CPU kernel requires."""
+    if rows.device.type == "cuda":
+        return True
+    aligned = all(n * rows.element_size() % 16 == 0 for n in (rows.shape[-1], up.shape[1]))
+    return rows.device.type == "cpu" and aligned and torch.get_num_threads() == 1
+
+
 def expert_mlps(rows, counts, up, down, act=None, observe=None) -> torch.Tensor:
     """Every expert's squared-ReLU MLP over its rows (`rows` sorted by expert, `counts` [experts] per expert;
     `up` [experts, d_ff, width], `down` [experts, width, d_ff]) -> [rows, width], in autocast's dtype when it
-    is on. On CUDA one grouped GEMM per side (torch._grouped_mm); elsewhere, or where that is refused (dtype,
-    alignment, GPU generation), the padded batched form (on CPU torch's grouped GEMM runs a parallel region
-    per expert, which a busy machine makes 50x slower). `act` transforms the hidden rows between the two
+    is on. One grouped GEMM per side (torch._grouped_mm) where `_grouped_here`; elsewhere, or where it is refused
+    (dtype, GPU generation), the padded batched form. `act` transforms the hidden rows between the two
     (activation fake-quantization); `observe` sees them [rows, d_ff]."""
     act = act or (lambda a: a)
     dt = _dtype(rows, up)
     rows, up, down = rows.to(dt), up.to(dt), down.to(dt)
     key = (rows.device.type, dt)
-    if rows.device.type == "cuda" and key not in _NO_GROUPED:
+    if key not in _NO_GROUPED and _grouped_here(rows, up):
         try:
             return _grouped(rows, counts, up, down, act, observe)
         except torch.OutOfMemoryError:
