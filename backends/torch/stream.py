@@ -72,11 +72,11 @@ class Tape:
         return torch.cat([self[b] for b in range(len(self))])
 
     def __del__(self):
-        for held, _, _ in self._items:
-            if isinstance(held, torch.Tensor):
-                self._room[0] += held.numel() * held.element_size()
-            else:
+        for held, _, _ in self._items:  # duck-typed: at interpreter exit `torch` may already be gone
+            if hasattr(held, "unlink"):
                 held.unlink(missing_ok=True)
+            else:
+                self._room[0] += held.numel() * held.element_size()
         self._items = []
 
 
@@ -171,7 +171,8 @@ class StreamedProgram:
         self._cache.clear()
 
     def __del__(self):
-        self.release()
+        if _kept is not None:  # None at interpreter exit, when there is nothing left to account for
+            self.release()
 
     # -- running ----------------------------------------------------------------------------------------------
     def _apply(self, node: Node, m: nn.Module, args: list) -> torch.Tensor:
