@@ -105,14 +105,22 @@ def _padded(rows, counts, up, down, act, observe):
 _NO_GROUPED: set = set()  # (device type, dtype) where torch._grouped_mm was refused: the padded form from then on
 
 
-def _grouped_here(rows, up) -> bool:
-    """Where torch._grouped_mm runs the experts: on CUDA, and on CPU at one intra-op thread (exact-sized GEMMs,
-    1.7x faster than the padded form for skewed routing; with more threads it opens a parallel region per expert,
-    which a busy machine makes 50x slower) when every row is 16-byte aligned, as its CPU kernel requires."""
+def _grouped_here(rows, counts, up) -> bool:
+    """Where torch._grouped_mm runs the experts: on CUDA; on CPU at one intra-op thread (with more it opens a
+    parallel region per expert, which a busy machine makes 50x slower), for 16-byte aligned rows (its kernel
+    refuses others), where it beats the padded form. Its CPU kernel pays a fixed cost per expert of the layer,
+    used or not (about 1.7 us a side); the padded form pays for its padding and for copying the used experts'
+    weights. So: when the experts average 8 rows or more, or the used experts hold 1,024 weights or more per
+    expert of the layer (a one-thread training step at Nano's and Super's widths 1.4x faster; decode at 32 x 32
+    experts stays padded, 5x faster there)."""
     if rows.device.type == "cuda":
         return True
-    aligned = all(n * rows.element_size() % 16 == 0 for n in (rows.shape[-1], up.shape[1]))
-    return rows.device.type == "cpu" and aligned and torch.get_num_threads() == 1
+    if rows.device.type != "cpu" or torch.get_num_threads() != 1:
+        return False
+    if any(n * rows.element_size() % 16 for n in (rows.shape[-1], up.shape[1])):
+        return False
+    experts, used = counts.shape[0], int((counts > 0).sum())
+    return rows.shape[0] >= 8 * experts or used * up.shape[1] * up.shape[2] >= 1024 * experts
 
 
 def expert_mlps(rows, counts, up, down, act=None, observe=None) -> torch.Tensor:
@@ -125,7 +133,7 @@ def expert_mlps(rows, counts, up, down, act=None, observe=None) -> torch.Tensor:
     dt = _dtype(rows, up)
     rows, up, down = rows.to(dt), up.to(dt), down.to(dt)
     key = (rows.device.type, dt)
-    if key not in _NO_GROUPED and _grouped_here(rows, up):
+    if key not in _NO_GROUPED and _grouped_here(rows, counts, up):
         try:
             return _grouped(rows, counts, up, down, act, observe)
         except torch.OutOfMemoryError:
