@@ -43,13 +43,27 @@ def _dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype
 
 
+class _DenseGrad(torch.autograd.Function):
+    """The identity, whose backward hands on a dense gradient: torch's CPU grouped GEMM refuses an expanded
+    (stride-0) one, such as `.sum()`'s."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 def _grouped(rows, counts, up, down, act, observe):
     """torch._grouped_mm over the rows sorted by expert (differentiable; on CUDA, no host sync)."""
     offs = torch.cumsum(counts, 0).to(torch.int32)
     a = act(F.relu(torch._grouped_mm(rows, up.transpose(-1, -2), offs=offs)).square())
     if observe is not None:
         observe(a)
-    return torch._grouped_mm(a, down.transpose(-1, -2), offs=offs)
+    out = torch._grouped_mm(a, down.transpose(-1, -2), offs=offs)
+    return _DenseGrad.apply(out) if out.requires_grad else out
 
 
 def _padded(rows, counts, up, down, act, observe):
