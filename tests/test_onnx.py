@@ -336,6 +336,7 @@ def test_fp8_layers_traced_once_quantize_their_inputs_by_their_own_scales(tmp_pa
     got, _ = OnnxModel(tmp_path / "h100").prefill(ids.numpy())
     np.testing.assert_allclose(got["logits"], want.numpy(), atol=2e-3, rtol=2e-3)
 
+
 def test_the_exported_graph_does_not_grow_with_the_routed_experts():
     """Prefill runs every expert in two batched MatMuls over the stacked weights and mixes them in one product:
     the same graph for 4 experts as for 512 (a graph of nodes per expert took minutes and 13 GB to export at

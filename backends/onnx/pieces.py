@@ -25,7 +25,6 @@ from torch import nn
 from ...ir.quant.formats import QUANT_FORMATS
 
 
-
 def _key(node, module: nn.Module):
     """What makes two nodes' graphs the same: the spec and the dtypes of the weights (a spec that cannot be
     compared, e.g. an opaque node's, keys by its own path)."""

@@ -152,9 +152,9 @@ class MoEMixer(nn.Module):
 
     The routed experts are one module (`RoutedExperts`: stacked weights). Eager runs sort the (token, choice)
     pairs by expert and run them through batched products over the stacked weights (`expert_outputs`; a grouped
-    GEMM on CUDA): the work is what routing chose, top-k of every token, whatever the number of experts, and no
-    Python loop per expert. The ONNX export
-    asks for `export_form` instead (`RoutedExperts.mixture`). Both give the same result.
+    GEMM where it wins, `routed.expert_mlps`): the work is what routing chose, top-k of every token, whatever the
+    number of experts, and no Python loop per expert. The ONNX export asks for `export_form` instead
+    (`RoutedExperts.mixture`). Both give the same result.
     """
 
     mode_aware = True
@@ -203,9 +203,9 @@ class MoEMixer(nn.Module):
         """h [n, width] through each token's chosen experts (ids [n, k]) -> [n, k, width].
 
         The (token, choice) pairs are sorted by expert and every expert runs over its rows in the routed experts'
-        batched products (`routed.expert_mlps`), with and without gradients. `observe(expert_ids, x, a)` sees every routed row at once,
-        sorted by expert: its expert, its input [rows, width] and its hidden activation [rows, d_ff]
-        (activation calibration, importance statistics)."""
+        batched products (`routed.expert_mlps`), with and without gradients. `observe(expert_ids, x, a)` sees
+        every routed row at once, sorted by expert: its expert, its input [rows, width] and its hidden activation
+        [rows, d_ff] (activation calibration, importance statistics)."""
         n, k = chosen.shape
         ids = chosen.reshape(-1)
         order = ids.argsort(stable=True)

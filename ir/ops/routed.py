@@ -130,8 +130,8 @@ def _grouped_here(rows, counts, up) -> bool:
         return True
     if rows.device.type != "cpu" or any(n * rows.element_size() % 16 for n in (rows.shape[-1], up.shape[1])):
         return False
-    experts, used = counts.shape[0], int((counts > 0).sum())
-    return rows.shape[0] >= 8 * experts or used * up.shape[1] * up.shape[2] >= 1024 * experts
+    experts = counts.shape[0]
+    return rows.shape[0] >= 8 * experts or int((counts > 0).sum()) * up.shape[1] * up.shape[2] >= 1024 * experts
 
 
 def expert_mlps(rows, counts, up, down, act=None, observe=None) -> torch.Tensor:
