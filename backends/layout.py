@@ -11,6 +11,9 @@ A layout has four degrees (NVIDIA's AIConfigurator searches the same ones for Te
 - `replicas`: independent copies of all of the above, each serving its own requests.
 
 Text form: `tp8`, `tp8.ep8`, `tp1.dp8.ep8`, `tp2.r4` (`str` and `Layout.parse` round-trip).
+
+The layouts follow the model: one serving no routed experts (a dense Nemotron-H) has `ep` and `dp` 1, only
+`tp` and replicas (`layouts(gpus, experts=False)`, `no_experts_refusal` for a layout given by hand).
 """
 from __future__ import annotations
 
@@ -115,18 +118,49 @@ def _inner(op, param: str):
     return (op.blocks[i], rest) if i < len(op.blocks) and rest.startswith("mixer.") else (op, rest)
 
 
-def layouts(gpus: int) -> list[Layout]:
-    """Every layout of `gpus` devices: replicas dividing the count; per replica, each split of its devices
-    into tp x dp, with experts tensor parallel (ep = 1, only without attention data parallel) or spread
-    over the whole replica."""
+def layouts(gpus: int, *, experts: bool) -> list[Layout]:
+    """Every layout of `gpus` devices for a model that serves routed experts (`experts`) or not: replicas
+    dividing the count; per replica, each split of its devices into tp x dp, with experts tensor parallel
+    (ep = 1, only without attention data parallel) or spread over the whole replica.
+
+    Without routed experts only tp x replicas: `ep` has nothing to spread, and attention data parallel is there
+    in the engines to feed expert-parallel MoE (see `no_experts_refusal`); over dense layers it is replicas."""
     out = []
     for r in _divisors(gpus):
         g = gpus // r
         for tp in reversed(_divisors(g)):
             dp = g // tp
+            if not experts:
+                out += [Layout(tp, replicas=r)] if dp == 1 else []
+                continue
             for ep in sorted({1, g} if dp == 1 else {g}):
                 out.append(Layout(tp, dp, ep, r))
     return out
+
+
+def no_experts_refusal(layout: Layout, none: str = "the model has none") -> str:
+    """Why `layout` means nothing for a model that serves no routed experts, or "" (ep and dp 1).
+
+    `ep` spreads routed experts. Attention data parallel exists in the engines to feed expert-parallel MoE;
+    over dense layers it is replicas, or a split no layout here prices:
+    - vLLM (docs/serving/data_parallel_deployment.md): DP ranks are separate engines, "not completely
+      independent" only for MoE (the experts' forward is synchronised); `--enable-expert-parallel` acts on
+      `FusedMoE` layers alone;
+    - TensorRT-LLM: `enable_attention_dp` gives each rank its own requests with attention at tp 1 (KV cache
+      `tp_size = 1 if mapping.enable_attention_dp`) and NemotronH's embedding unsplit with no all-reduce
+      (`_torch/models/modeling_nemotron_h.py`: "we cannot do all_reduce since the problem size of different
+      ranks are different"); features/parallel-strategy.md gives dense FFNs tensor parallel only, EP to MoE;
+    - SGLang: `--enable-dp-attention` gathers the groups' tokens into a dense MLP tensor parallel over all
+      ranks (`srt/models/nemotron_h.py`, its `LayerCommunicator`), which `dp` here (a copy per group) is not.
+    The fix named is the layout of the same devices without them: its attention groups as replicas."""
+    if layout.ep == 1 and layout.dp == 1:
+        return ""
+    same = Layout(layout.tp, replicas=layout.dp * layout.replicas)
+    what = f"spreads routed experts over ep{layout.ep}" + (
+        f" and runs {layout.dp} attention data-parallel groups to feed them" if layout.dp > 1 else "")
+    return (f"layout {layout} {what}, and {none}; use {same}"
+            + (f" (its {layout.dp} attention groups as replicas)" if layout.dp > 1 else "")
+            + ", or leave the layout out to price the best one")
 
 
 def _divisors(n: int) -> list[int]:

@@ -76,7 +76,7 @@ def spec_from_dict(d, where: str, kinds=BLOCK_KINDS) -> OpSpec:
 def spec_to_dict(op: OpSpec) -> dict:
     d = {"block_type": op.kind}
     for k, v in op.attrs().items():
-        if k == "quant" and not v:
+        if (k == "quant" and not v) or (k == "dt_max" and v == math.inf):  # defaults JSON cannot (or need not) say
             continue
         d[k] = [spec_to_dict(b) for b in v] if k == "blocks" else v
     return d

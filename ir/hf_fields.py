@@ -34,6 +34,8 @@ FIELD_TYPES = {
 }
 #: lower bounds beyond the JSON type: the epsilon is > 0
 _BOUNDS = {"layer_norm_epsilon": (lambda v: v > 0, "> 0")}
+#: the largest float32: an upper clamp of dt beyond it clamps nothing (dt is computed in float32)
+FLOAT32_MAX = 3.4028234663852886e38
 #: transformers' JSON spelling of an infinite float (json has none)
 INFINITY = {"__float__": "Infinity"}
 #: the context a config without `max_position_embeddings` gets from transformers' NemotronHConfig and SGLang's
@@ -65,21 +67,18 @@ def _limit_value(v):
     return float(v) if type(v) in (int, float) else None
 
 
-def dt_clamp(cfg: dict, src) -> float:
-    """dt's lower clamp: `time_step_limit`'s lower end (transformers and vLLM clamp softplus(dt + dt_bias) to
-    `time_step_limit`, by default (0, inf); `time_step_min` only initialises dt_bias). puzzlekit clamps from
-    below only, so an upper end must be infinite."""
+def dt_clamp(cfg: dict, src) -> tuple[float, float]:
+    """dt's clamp, (low, high): `time_step_limit`, applied at both ends as transformers and vLLM apply it to
+    softplus(dt + dt_bias), by default (0, inf); `time_step_min` only initialises dt_bias. dt is computed in
+    float32, so an upper end beyond float32's range (Ultra's 1e308) clamps nothing and reads as inf."""
     lim = cfg.get("time_step_limit")
     if lim is None:
-        return 0.0
+        return 0.0, math.inf
     lo, hi = (_limit_value(v) for v in lim) if type(lim) is list and len(lim) == 2 else (None, None)
     if lo is None or hi is None or not math.isfinite(lo) or lo < 0 or hi < lo:
         raise CheckpointError(f"{src}: config field 'time_step_limit' must be [low, high] with 0 <= low <= high, "
                               f"got {short(lim)}; fix it in the config")
-    if math.isfinite(hi):
-        raise CheckpointError(f"{src}: config field 'time_step_limit' clamps dt from above at {hi:g}; puzzlekit "
-                              "clamps it from below only: set the upper end to Infinity if the model allows it")
-    return lo
+    return lo, (math.inf if hi > FLOAT32_MAX else hi)
 
 
 def _finite(v) -> bool:
@@ -127,6 +126,7 @@ def _spec_of(kind: str, cfg: dict, src) -> OpSpec:
     g = lambda k: need(cfg, k, src)
     hidden, eps = g("hidden_size"), cfg.get("layer_norm_epsilon", 1e-5)
     if kind == "mamba2":
+        lo, hi = dt_clamp(cfg, src)
         groups = cfg.get("mamba_n_groups")  # transformers and SGLang read this spelling first
         if groups is not None and cfg.get("n_groups") not in (None, groups):
             raise CheckpointError(f"{src}: config fields n_groups={cfg['n_groups']} and mamba_n_groups={groups} "
@@ -134,7 +134,7 @@ def _spec_of(kind: str, cfg: dict, src) -> OpSpec:
         return Mamba2(hidden, g("mamba_num_heads"), g("mamba_head_dim"), g("ssm_state_size"),
                       groups if groups is not None else g("n_groups"),
                       cfg.get("conv_kernel", 4), cfg.get("chunk_size", 128), cfg.get("use_conv_bias", True),
-                      dt_clamp(cfg, src), eps)
+                      lo, eps, hi)
     if kind == "moe":
         return MoE(hidden, g("n_routed_experts"), g("num_experts_per_tok"), g("moe_intermediate_size"),
                    g("moe_shared_expert_intermediate_size") if cfg.get("n_shared_experts", 1) else 0,
@@ -191,7 +191,8 @@ def fields_of(op: OpSpec) -> dict:
     if isinstance(op, Mamba2):
         # dt's clamp only where it is not the default (0, inf): the published configs carry no such field, and
         # its infinity is transformers' own JSON encoding, a dict to every reader that json.loads the file
-        clamp = {"time_step_limit": [op.dt_min, INFINITY]} if op.dt_min else {}
+        hi = INFINITY if op.dt_max == math.inf else op.dt_max
+        clamp = {"time_step_limit": [op.dt_min, hi]} if (op.dt_min, op.dt_max) != (0.0, math.inf) else {}
         return {"mamba_num_heads": op.heads, "mamba_head_dim": op.head_dim, "ssm_state_size": op.state,
                 "n_groups": op.groups, "conv_kernel": op.conv, "chunk_size": op.chunk, "use_conv_bias": op.conv_bias,
                 **clamp}

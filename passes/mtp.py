@@ -86,16 +86,15 @@ class MTPMatchAttention(Pass):
         if not profile.head_from_top or not head:
             return Preserved.all()
         node = head[0]
-        # the attributes the engines read from the top level: all three (TensorRT-LLM), or the KV pool's (SGLang)
-        attrs = {a for kind, names in profile.uniform if kind == "attention" for a in names}
-        trunk = {tuple(getattr(n.op, a) for a in sorted(attrs)) for n in prog.find("attention")}
         mine = [(i, b) for i, b in enumerate(node.op.blocks) if b.kind == "attention"]
-        if len(trunk) != 1 or not mine:
+        # the attributes the engines read from the top level: all three (TensorRT-LLM), or the KV pool's (SGLang)
+        top = sorted({a for kind, names in profile.uniform if kind == "attention" for a in names})
+        layers = [n.op for n in prog.find("attention")]
+        if not mine or len({tuple(getattr(op, a) for a in top) for op in layers}) != 1:
             return Preserved.all()  # nothing to match (a trunk that differs by layer no such engine loads)
-        want = dict(zip(sorted(attrs), trunk.pop()))
         blocks, weights = list(node.op.blocks), {}
         for i, b in mine:
-            q, kv, d = (want.get(a, getattr(b, a)) for a in ("q_heads", "kv_heads", "head_dim"))
+            q, kv, d = profile.head_attention(layers[0], b)
             if (b.q_heads, b.kv_heads, b.head_dim) == (q, kv, d):
                 continue
             if b.quant:
@@ -154,12 +153,12 @@ def _merge_kv(b, kv: int, w: dict):
 
 
 def _matching(b, q: int, kv: int, d: int, where: str) -> str:
-    """The axis whose shrink takes the head's attention block `b` to q query / kv KV heads of size d."""
-    if d == b.head_dim and kv <= b.kv_heads:
-        if q == b.q_heads and b.kv_heads % kv == 0:
-            return "kv_merge"
-        if q * b.kv_heads == b.q_heads * kv:  # whole groups: their query heads follow their KV head
-            return "kv_heads"
+    """The axis whose shrink takes the head's attention block `b` to q query / kv KV heads of size d (the search
+    offers no trunk attention it cannot reach: EngineProfile.head_cannot_follow)."""
+    from .puzzle.engines import head_match_axis
+
+    if axis := head_match_axis(b, q, kv, d):
+        return axis
     raise PassError(f"mtp-match-attention: {where} has attention of {b.q_heads} query / {b.kv_heads} KV heads of "
                     f"{b.head_dim}, the trunk {q} / {kv} of {d}; only merging or dropping whole KV groups reaches "
                     "it: prune the trunk's attention that way, or serve with an engine that reads the head's own "

@@ -360,7 +360,7 @@ BAD_HF_FIELDS = [  # (changes, parts of the message)
     ({"routed_scaling_factor": float("inf")}, ["'routed_scaling_factor'", "finite"]),
     ({"time_step_limit": [-0.001, {"__float__": "Infinity"}]}, ["'time_step_limit'", "0 <= low"]),
     ({"time_step_limit": "0.001"}, ["'time_step_limit'", "[low, high]"]),
-    ({"time_step_limit": [0.0, 0.1]}, ["'time_step_limit'", "from above", "Infinity"]),
+    ({"time_step_limit": [0.1, 0.01]}, ["'time_step_limit'", "0 <= low <= high"]),
     ({"tie_word_embeddings": "false"}, ["'tie_word_embeddings'", "true or false"]),
     ({"torch_dtype": "int64"}, ["'torch_dtype'", "int64"]),
     ({"torch_dtype": 16}, ["'torch_dtype'", "string"]),

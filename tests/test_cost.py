@@ -456,9 +456,13 @@ def test_collectives_per_layout_by_hand():
 
 
 def test_layouts_round_trip_and_are_checked():
-    got = layouts(8)
+    got = layouts(8, experts=True)
     assert len(got) == len(set(got)) == 13 and all(L.gpus == 8 for L in got)
-    assert {str(L) for L in got} >= {"tp8", "tp8.ep8", "tp1.dp8.ep8", "tp2.dp4.ep8", "tp4.r2", "tp1.r8"}
+    assert [str(L) for L in got] == ["tp8", "tp8.ep8", "tp4.dp2.ep8", "tp2.dp4.ep8", "tp1.dp8.ep8", "tp4.r2",
+                                     "tp4.ep4.r2", "tp2.dp2.ep4.r2", "tp1.dp4.ep4.r2", "tp2.r4", "tp2.ep2.r4",
+                                     "tp1.dp2.ep2.r4", "tp1.r8"]
+    # without routed experts: no ep, no attention data parallel (tests/test_layouts.py)
+    assert [str(L) for L in layouts(8, experts=False)] == ["tp8", "tp4.r2", "tp2.r4", "tp1.r8"]
     assert all(Layout.parse(str(L)) == L for L in got)
     for bad, why in (("tp0", ">= 1"), ("tp4.ep3", "must divide"), ("tp2.dp2", "ep4"), ("8", "tp<N>")):
         with pytest.raises(PuzzlekitError, match=why):

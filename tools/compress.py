@@ -147,8 +147,11 @@ def compress(args, progress: bool = True) -> dict:
     if out.resolve() == src or src in out.resolve().parents or out.resolve() in src.parents:
         raise PuzzlekitError(f"-o {out} would write into or around the input model {src}; choose another directory")
     parent, corpus = _parent(args, src)
+    from ..passes.puzzle.engines import get_engine
+
+    get_engine(args.engine).check_parent(parent)  # a head no child of which the engines serve: before the library
     library = Path(args.library) if args.library else out / "library"
-    _check_held_out(args, out, library, corpus)
+    _check_held_out(args, out, library, corpus, parent)
     args.scenario = _workload(args, out)
     with _pinned_cost_table(args, out):
         return _run(args, out, parent, library, progress)
@@ -167,7 +170,7 @@ def _parent(args, src: Path):
     return parent, corpus_for(parent, args.data, progress=not args.json and sys.stderr.isatty())
 
 
-def _check_held_out(args, out: Path, library: Path, corpus) -> None:
+def _check_held_out(args, out: Path, library: Path, corpus, parent) -> None:
     """Before any work: every held-out set the pipeline's passes and the report draw windows from holds one."""
     from ..text.data import require_windows
     from ..errors import read_text
@@ -177,10 +180,22 @@ def _check_held_out(args, out: Path, library: Path, corpus) -> None:
     from .compress_outputs import PROMPT_LEN, REPORT_SEQ
 
     template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
-    check_held_out(parse_pipeline(resolve_pipeline(pipeline_text(read_text(template_file, "pipeline", PuzzlekitError),
-                                                                  args, out, library))), corpus)
+    text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
+    check_held_out(head_work(parse_pipeline(resolve_pipeline(text)), parent), corpus)
     require_windows(corpus, "report", REPORT_SEQ + 1, "the report's figures")
     require_windows(corpus, "report", PROMPT_LEN, "the report's MTP prompts")
+
+
+def head_work(passes: list, parent) -> list:
+    """The pipeline's passes, less the MTP head's own (its attention match, its checks, its head-only
+    recovery) where the parent has no head (Nemotron-3-Nano, the dense Nemotron-H): no head, no head work."""
+    from ..passes.distill import Distill
+    from ..passes.mtp import MTPCheck, MTPMatchAttention
+
+    if parent.find("mtp"):
+        return passes
+    return [p for p in passes if not isinstance(p, (MTPCheck, MTPMatchAttention))
+            and not (isinstance(p, Distill) and p.head_only)]
 
 
 def _run_key(parent, args) -> str:
@@ -218,7 +233,7 @@ def _run(args, out: Path, parent, library: Path, progress: bool) -> dict:
 
     template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
     text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
-    passes = parse_pipeline(resolve_pipeline(text))
+    passes = head_work(parse_pipeline(resolve_pipeline(text)), parent)
     src = Path(parent.meta["source"])
     use_threads(parent.param_counts()["total"], args.threads)
     CostModel(parent, args.target, get_scenario(args.scenario)).check_priceable(args.context)
@@ -231,7 +246,8 @@ def _run(args, out: Path, parent, library: Path, progress: bool) -> dict:
     clock = {"pipeline": time.perf_counter() - t0, **{label: s for label, s in ins.timings}}
     summary = {"pipeline": print_pipeline(passes), "resumed_at_pass": stages.resume_at, "passes": stages.count,
                "reports": am.reports, "seconds": clock, "model": str(src), "target": args.target,
-               "scenario": args.scenario, "parent_params": parent.param_counts()["total"]}
+               "scenario": args.scenario, "parent_params": parent.param_counts()["total"],
+               "mtp_head": bool(parent.find("mtp"))}
     if checks := am.reports.get("mtp-check"):  # what `cost --mtp` prices the child with
         prog.meta.setdefault("provenance", {})["mtp_acceptance"] = {"length": checks[-1]["acceptance"],
                                                                     "drafts": checks[-1]["drafts"]}
@@ -253,7 +269,7 @@ def run_compress(args) -> int:
              f"{s['passes']} passes in {s['seconds']['pipeline']:.0f} s",
              f"params {plan['params']:,} (the parent's: {s['parent_params']:,})",
              f"child: {Path(args.output) / 'model'} ({s['outputs']['model']['form']})",
-             _mtp_line(s["outputs"].get("quality")),
+             _mtp_line(s["outputs"].get("quality"), s["mtp_head"]),
              *(f"{k}: " + (f"unservable ({v['predicted']['unservable']})" if "unservable" in v["predicted"] else
                            f"predicted {v['predicted']['tokens_per_second']:,.0f} tokens/s serving")
                + (f"; decode at batch {v['decode']['batch']}, context {v['decode']['context']:,}: predicted "
@@ -267,9 +283,11 @@ def run_compress(args) -> int:
     return 0
 
 
-def _mtp_line(quality: dict | None) -> str:
+def _mtp_line(quality: dict | None, head: bool = True) -> str:
     """The MTP head's speed as delivered: child and parent acceptance on the report set (the report's quality
     table), so a head that lost its drafts is seen without opening the report."""
+    if not head:
+        return "MTP: the model has no MTP head (no head work, no acceptance figures; served without speculative decoding)"
     if not quality or quality["child"].get("mtp_acceptance") is None:
         return ""
     child, parent = quality["child"]["mtp_acceptance"], quality["parent"]["mtp_acceptance"]

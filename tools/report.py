@@ -5,7 +5,7 @@
     architecture.png   parent and child side by side, one row per layer (kind and size relative to the parent)
     frontier.png       summed replacement score against the predicted figure, MIP and baselines, per budget
     distillation.png   the loss terms over steps, every distillation run
-    mtp.png            MTP acceptance length: teacher, before and after recovery
+    mtp.png            MTP acceptance length: teacher, before and after recovery (a model with a head)
 """
 from __future__ import annotations
 
@@ -177,6 +177,29 @@ def _mtp_ratio(quality: dict) -> list[str]:
             "generated from each).\n"]
 
 
+def _quality_section(quality: dict, head: bool) -> list[str]:
+    """Parent and child on the report set: KL, agreement, bits per byte, and the head's acceptance if any."""
+    cols = ["kl", "top1_agreement", "bits_per_byte"] + (["mtp_acceptance"] if head else [])
+    prompts = f" and {quality['prompts'][0]} MTP prompts" if head else ""
+    return ["## Quality on the report set\n",
+            f"Measured on {quality['windows'][0]} windows of {quality['windows'][1]} bytes{prompts} from the "
+            "held-out `report` set, which no stage of the run (library scores, search, distillation's kept "
+            "weights) chose anything on.\n",
+            _table(["", "KL to the parent", "top-1 agreement", "bits/byte", "MTP acceptance"][:len(cols) + 1],
+                   [(name, *(_fmt(quality[name][c]) for c in cols)) for name in ("parent", "child")]),
+            *_mtp_ratio(quality)]
+
+
+def _mtp_section(mtp: dict, head: bool) -> list[str]:
+    if not head:
+        return ["\n## MTP head\n", "The model has no MTP head: the run did no head work (no attention match, "
+                "no `mtp-check`, no head-only recovery), has no acceptance figures, and the child is served "
+                "without speculative decoding.\n"]
+    return ["\n## MTP acceptance length\n", "![mtp](mtp.png)\n",
+            "`mtp-check` in the pipeline (before quantisation), on prompts from the `report` set.\n",
+            _table(["", "tokens per step"], [(k, _fmt(v)) for k, v in mtp.items()])]
+
+
 def _kept(run: dict) -> str:
     """Which weights the run ended with: keep-best's evaluation, or the last step's."""
     step = run.get("kept")
@@ -258,6 +281,7 @@ def write_report(out) -> Path:
     reports = summary["reports"]
     distills = reports.get("distill", [])
     checks = reports.get("mtp-check", [])
+    head = bool(parent.find("mtp"))
     mtp = {}
     if checks:  # the pipeline measures after the trunk's distillation and again after head-only recovery
         mtp["teacher"] = checks[0]["teacher_acceptance"]
@@ -275,22 +299,15 @@ def write_report(out) -> Path:
         architecture_plot(prows, crows, d / "architecture.png")
         frontier_plot(plan["frontier"], d / "frontier.png")
         distillation_plot(distills, d / "distillation.png")
-        mtp_plot(mtp, d / "mtp.png")
+        if head:
+            mtp_plot(mtp, d / "mtp.png")
         md = [f"# Compression report: {summary['model']} for {summary['target']} / {summary['scenario']}\n",
               f"Pipeline: `{summary['pipeline']}`\n",
               "## Architecture\n", "![architecture](architecture.png)\n",
               _table(["layer", "parent", "child"], [(p["layer"], _describe(p), _describe(c)) for p, c in zip(prows, crows)]),
               f"\nParameters: {parent.param_counts()['total']:,} -> {child.param_counts()['total']:,} "
               f"(active {parent.param_counts()['active']:,} -> {child.param_counts()['active']:,}).\n",
-              "## Quality on the report set\n",
-              f"Measured on {quality['windows'][0]} windows of {quality['windows'][1]} bytes and "
-              f"{quality['prompts'][0]} MTP prompts from the held-out `report` set, which no stage of the run "
-              "(library scores, search, distillation's kept weights) chose anything on.\n",
-              _table(["", "KL to the parent", "top-1 agreement", "bits/byte", "MTP acceptance"],
-                     [(name, _fmt(quality[name]["kl"]), _fmt(quality[name]["top1_agreement"]),
-                       _fmt(quality[name]["bits_per_byte"]), _fmt(quality[name]["mtp_acceptance"]))
-                      for name in ("parent", "child")]),
-              *_mtp_ratio(quality),
+              *_quality_section(quality, head),
               "\n## The serving engine\n",
               f"Profile {engine['rules']}.\n",
               f"Summed library score at the target under it: {_fmt(engine['score'])}; without any engine's rules: "
@@ -308,9 +325,7 @@ def write_report(out) -> Path:
               "Distillation's own evaluations, on the held-out `selection` set (they chose the kept weights: "
               "each run on the metric it names; a head-only run on its head's loss, the trunk KL it cannot move).\n",
               distillation_table(distills),
-              "\n## MTP acceptance length\n", "![mtp](mtp.png)\n",
-              "`mtp-check` in the pipeline (before quantisation), on prompts from the `report` set.\n",
-              _table(["", "tokens per step"], [(k, _fmt(v)) for k, v in mtp.items()]),
+              *_mtp_section(mtp, head),
               "\n## Deployment\n",
               _table(["", "layout", "weights GB", "max batch", "max concurrency", "decode step ms",
                       "serving tokens/s predicted"],

@@ -10,7 +10,7 @@ precision (bytes per format), provider (the interface), analytic (the GPU roofli
 """
 from ..measured import MeasuredProvider
 from .analytic import KERNELS, AnalyticProvider, Efficiency
-from .layouts import Unservable, best_layout, cost, layouts_of
+from .layouts import Unservable, best_layout, cost, layouts_of, serves_experts
 from .model import CostModel
 from .precision import BYTES, MATH, precision_of
 from .provider import Deployment, Provider
@@ -22,4 +22,4 @@ from .model import _layout_for  # noqa: F401
 
 __all__ = ["BYTES", "KERNELS", "MATH", "SCENARIOS_FILE", "AnalyticProvider", "CostModel", "CostReport", "Deployment",
            "Efficiency", "MeasuredProvider", "Provider", "Scenario", "best_layout", "cost", "get_scenario", "layouts_of",
-           "precision_of", "scenarios"]
+           "precision_of", "scenarios", "serves_experts"]

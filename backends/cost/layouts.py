@@ -10,7 +10,7 @@ from collections import Counter
 
 from ...errors import PuzzlekitError, UsageError
 from ...ir import Program
-from ..layout import Layout, layouts, split_refusal
+from ..layout import Layout, layouts, no_experts_refusal, split_refusal
 from ..targets import Target, get_target
 from .model import CostModel, _layout_for, shared_provider
 from .provider import Provider
@@ -19,12 +19,37 @@ from .scenario import Scenario, get_scenario
 
 
 class Unservable(UsageError):
-    """A pinned layout, or every layout of a target, that the serving engines cannot split the model over."""
+    """A pinned layout, or every layout of a target, that the serving engines cannot split the model over (or,
+    pinned, one spreading routed experts over a model serving none)."""
 
 
-def layouts_of(target: Target, scenario: Scenario) -> list[Layout]:
-    """The scenario's pinned layout, or every layout of the GPUs it uses."""
-    return [Layout.parse(scenario.layout)] if scenario.layout else layouts(scenario.gpus or target.devices)
+def serves_experts(prog: Program, scenario: Scenario) -> bool:
+    """Whether serving `prog` in `scenario` loads routed experts: a MoE block in the trunk, or in the MTP head
+    when the head is loaded (drafting, or `mtp_resident`; plain decoding does not load it, as `CostModel`
+    prices it)."""
+    head = scenario.mtp_draft > 0 or scenario.mtp_resident
+    return any(n.op.kind == "moe" or (head and n.op.kind == "mtp" and any(b.kind == "moe" for b in n.op.blocks))
+               for n in prog.nodes)
+
+
+def layouts_of(target: Target, scenario: Scenario, prog: Program | None = None) -> list[Layout]:
+    """The scenario's pinned layout, or every layout of the GPUs it uses, following `prog`: without routed
+    experts (`serves_experts`) no expert or attention data parallel (`layouts`), and such a layout pinned is
+    refused naming the one to use (`no_experts_refusal`). Without `prog`, every layout."""
+    experts = prog is None or serves_experts(prog, scenario)
+    if not scenario.layout:
+        return layouts(scenario.gpus or target.devices, experts=experts)
+    layout = Layout.parse(scenario.layout)
+    if not experts and (why := no_experts_refusal(layout, _none(prog))):
+        raise Unservable(why)
+    return [layout]
+
+
+def _none(prog: Program) -> str:
+    """How a model serving no routed experts has none: none at all, or only in its MTP head, not loaded."""
+    head = any(b.kind == "moe" for n in prog.find("mtp") for b in n.op.blocks)
+    return ("the model serves none (its MTP head's are loaded only when drafting, --mtp)" if head
+            else "the model has none")
 
 
 def unsplit(prog: Program, layout: Layout, recipes: str = "") -> str:
@@ -53,7 +78,7 @@ def best_layout(prog: Program, target: Target | str, scenario: Scenario, provide
     recipes = _recipes(prog, scenario)
     provider = shared_provider(target, provider)
     tried, refused, rows = [], [], []  # rows: every layout in order, its report or why no engine splits it
-    for layout in layouts_of(target, scenario):
+    for layout in layouts_of(target, scenario, prog):
         if fits is not None and not fits(layout):
             continue
         if scenario.layout:  # a layout of other GPUs than the target's is refused for that first
@@ -67,7 +92,7 @@ def best_layout(prog: Program, target: Target | str, scenario: Scenario, provide
         rows.append(tried[-1][1])
     if refused and scenario.layout:
         gpus = Layout.parse(scenario.layout).gpus
-        ok = [str(L) for L in layouts(gpus) if not unsplit(prog, L, recipes)]
+        ok = [str(L) for L in layouts(gpus, experts=serves_experts(prog, scenario)) if not unsplit(prog, L, recipes)]
         raise Unservable(f"layout {scenario.layout}: no serving engine splits the model over it: "
                          f"{refused[0]['unservable']}; pin a layout whose tp divides them"
                          + (f" (of {gpus} GPUs: {', '.join(ok)})" if ok else "")

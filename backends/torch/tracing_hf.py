@@ -4,6 +4,7 @@ from __future__ import annotations
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
 from ...errors import TraceError
+from ...ir.hf_fields import dt_clamp
 from ...ir.ops import MLP, Attention, Mamba2, MoE, Norm
 from .trace_registry import Converted, register_module
 
@@ -11,8 +12,9 @@ from .trace_registry import Converted, register_module
 def _mixer_spec(blk, hidden: int, eps: float):
     m = blk.mixer
     if isinstance(m, hf.NemotronHMamba2Mixer):
+        lo, hi = dt_clamp({"time_step_limit": [float(v) for v in m.time_step_limit]}, "the Mamba mixer")
         return Mamba2(hidden, m.num_heads, m.head_dim, m.ssm_state_size, m.n_groups, m.conv_kernel_size,
-                      m.chunk_size, m.use_conv_bias, float(m.time_step_limit[0]), eps)
+                      m.chunk_size, m.use_conv_bias, lo, eps, hi)
     if isinstance(m, hf.NemotronHMoE):
         g = m.gate
         if g.num_group != 1:

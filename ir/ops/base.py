@@ -101,7 +101,7 @@ class OpSpec:
             v = getattr(self, f.name)
             if f.type in ("int",) and isinstance(v, int) and not isinstance(v, bool) and v < 0:
                 out.append((f.name, f"must be >= 0, got {v}"))
-            if f.type == "float" and not math.isfinite(v):
+            if f.type == "float" and not math.isfinite(v) and not (v == math.inf and f.default == math.inf):
                 out.append((f.name, f"must be finite, got {v}"))
             elif f.name == "eps" and v <= 0:
                 out.append((f.name, f"must be > 0 (an RMSNorm epsilon), got {v}"))

@@ -1,6 +1,7 @@
 """Mamba-2 mixer block: in_proj -> causal depthwise conv1d -> SSD scan with groups -> gated RMSNorm -> out_proj."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ class Mamba2(OpSpec):
     conv_bias: bool = True
     dt_min: float = 0.0
     eps: float = 1e-5
+    dt_max: float = math.inf  # dt's upper clamp (`time_step_limit`'s upper end; inf: none)
 
     @property
     def inner(self) -> int:
@@ -58,6 +60,8 @@ class Mamba2(OpSpec):
             out.append(("groups", f"heads={self.heads} must be divisible by groups={self.groups}"))
         if self.dt_min < 0:
             out.append(("dt_min", f"must be >= 0 (the lower clamp of dt), got {self.dt_min}"))
+        if not self.dt_max >= self.dt_min:
+            out.append(("dt_max", f"must be >= dt_min={self.dt_min} (the upper clamp of dt), got {self.dt_max}"))
         return out
 
     def state_bytes(self, kv_bytes: float, ssm_bytes: float, act_bytes: float, context: int) -> float:
@@ -240,7 +244,7 @@ class Mamba2Mixer(nn.Module):
         xbc = xbc.transpose(1, 2)
         x, B, C = xbc.split([s.inner, s.groups * s.state, s.groups * s.state], dim=-1)
         with full_precision(u):  # the scan and its state in float32, whatever the forward's precision
-            dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=s.dt_min)
+            dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(s.dt_min, None if s.dt_max == math.inf else s.dt_max)
             A = -torch.exp(self.A_log.float())
             rep = s.heads // s.groups
             x = x.reshape(b, t, s.heads, s.head_dim).float()

@@ -44,10 +44,14 @@ def _outputs(net, seen: list, x: torch.Tensor) -> Outputs:
     return Outputs(logits, mtp, list(seen))
 
 
-def parse_terms(d: Distill) -> dict[str, float]:
-    """The loss weights: the built-in options, then `loss=[name:weight,...]`; unknown names are refused."""
+def parse_terms(d: Distill, head: bool = True) -> dict[str, float]:
+    """The loss weights: the built-in options, then `loss=[name:weight,...]`; unknown names are refused. A
+    student without an MTP head (`head` false: Nemotron-3-Nano, the dense Nemotron-H) has no head terms: the
+    built-in `mtp` and `mtp_self` options do not apply to it (a head term named in `loss=` still fails)."""
     weights = {"mtp": d.mtp} if d.head_only else {"kl": d.kl, "cos": d.cos, "lm": d.lm, "mtp": d.mtp}
     weights["mtp-self"] = d.mtp_self
+    if not head:
+        weights = {n: w for n, w in weights.items() if n not in ("mtp", "mtp-self")}
     for item in d.loss:
         name, _, w = item.partition(":")
         try:
@@ -90,7 +94,7 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
     if quantized:
         raise PassError(f"distill trains full-precision weights, but {quantized[0]} is quantized; "
                         "distill before the quantize pass")
-    terms = parse_terms(d)
+    terms = parse_terms(d, bool(prog.find("mtp")))
     if d.teacher_logits:
         for name, needs in (("cos", "hidden states"), ("mtp", "MTP-head logits")):
             if name in terms:

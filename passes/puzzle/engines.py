@@ -80,6 +80,8 @@ class EngineProfile:
         whose layers an engine reading a kind from the top level builds from the same fields as the trunk's."""
         if self.blocks is not None and spec.kind not in self.blocks:
             return f"a {spec.kind} block (the engines load {', '.join(self.blocks)} blocks)"
+        if spec.kind == "attention" and (why := self.head_cannot_follow(spec, head)):
+            return why
         for kind, attrs in self.uniform if head is not None and self.mtp_from_top else ():
             block = next((b for b in head.blocks if b.kind == kind == spec.kind), None)
             if block is not None and any(getattr(spec, a) != getattr(block, a) for a in attrs):
@@ -87,6 +89,26 @@ class EngineProfile:
                         f"{kind} layer from the same top-level fields as every other)")
         return next((why for rule in self.rules if spec.kind == parent.kind and (why := rule(spec, parent, recipes))),
                     "")
+
+    def head_attention(self, trunk, block) -> tuple[int, int, int]:
+        """The (query heads, KV heads, head size) the MTP head's attention `block` must take when the trunk's
+        attention is `trunk`: what these engines read from the top level is the trunk's, the rest stays the head's."""
+        top = {a for kind, names in self.uniform if kind == "attention" for a in names}
+        return tuple(getattr(trunk if a in top else block, a) for a in ("q_heads", "kv_heads", "head_dim"))
+
+    def head_cannot_follow(self, trunk, head) -> str:
+        """Why the MTP head's attention cannot be matched to a trunk attention `trunk` (mtp-match-attention merges
+        KV heads or drops whole KV groups, nothing else), where an engine builds the head's from the top level."""
+        if not self.head_from_top or head is None:
+            return ""
+        for b in (b for b in head.blocks if b.kind == "attention"):
+            q, kv, d = self.head_attention(trunk, b)
+            if (q, kv, d) != (b.q_heads, b.kv_heads, b.head_dim) and not head_match_axis(b, q, kv, d):
+                return (f"attention of {trunk.q_heads} query / {trunk.kv_heads} KV heads of {trunk.head_dim}: the MTP "
+                        f"head's ({b.q_heads} / {b.kv_heads} of {b.head_dim}) cannot follow it ({', '.join(self.engines)} "
+                        "build the head's attention from the top level; only merging KV heads or dropping whole KV "
+                        "groups reaches another shape)")
+        return ""
 
     def unsplit(self, op, layout, recipes: str = "") -> str:
         """Why `op` does not split over `layout` in this profile's engines ("" : it does, or no engine)."""
@@ -101,6 +123,11 @@ class EngineProfile:
             raise PassError(f"engine {self.name}: the model's MTP head has blocks {list(kinds)}, but "
                             f"{', '.join(self.engines)} load a head of {list(self.mtp)}; no child of it can be "
                             "served: use engine none (CLI: --engine none --extended)")
+        why = next((w for n in prog.find("attention") if (w := self.head_cannot_follow(n.op, head[0].op))), "") \
+            if head else ""
+        if why:
+            raise PassError(f"engine {self.name}: the parent's own trunk has {why}; no child of it can be served "
+                            "by these engines: use --engine vllm (it reads the head's own fields), or engine none")
 
     def describe(self) -> str:
         """One line for reports: the profile and its rules."""
@@ -121,6 +148,18 @@ def _every(name: str, profiles: list[EngineProfile]) -> EngineProfile:
                          blocks=profiles[0].blocks, mtp=profiles[0].mtp,
                          rules=tuple(dict.fromkeys(r for p in profiles for r in p.rules)),
                          head_from_top=any(p.head_from_top for p in profiles))
+
+
+def head_match_axis(block, q: int, kv: int, d: int) -> str:
+    """The axis whose shrink takes the MTP head's attention `block` to q query / kv KV heads of size d
+    (mtp-match-attention's two ways: "kv_merge" keeps every query head, "kv_heads" drops whole KV groups with
+    their query heads), or "" when neither reaches it."""
+    if d == block.head_dim and kv <= block.kv_heads:
+        if q == block.q_heads and block.kv_heads % kv == 0:
+            return "kv_merge"
+        if q * block.kv_heads == block.q_heads * kv:
+            return "kv_heads"
+    return ""
 
 
 MAMBA = ("mamba2", ("heads", "head_dim", "state", "groups"))

@@ -82,7 +82,7 @@ class Search:
         self.models = []
         providers = [shared_provider(t, provider) for t in hardware]
         for t, s, provider in zip(hardware, self.scenarios, providers):
-            every = layouts_of(t, s)
+            every = layouts_of(t, s, parent)
             why = {str(L): self._no_child_splits(L) for L in every}
             if all(why.values()):
                 raise PassError(f"engine {self.engine.name}: no layout of {t.name} splits the model as the engines "
