@@ -130,3 +130,44 @@ def test_a_trunk_no_shrink_reaches_is_refused_naming_the_way_out():
     prog = _pruned_trunk("q_heads", [0, 2])  # 2 query heads over 2 KV groups: neither merging nor dropping groups
     with pytest.raises(PassError, match="only merging or dropping whole KV groups.*--engine vllm"):
         _run(prog, "mtp-match-attention{engine=all}")
+
+
+@pytest.mark.parametrize("grid", ["default", "planning"])
+@pytest.mark.parametrize("engine", ["all", "sglang"])
+def test_every_attention_the_search_offers_the_heads_match_follows_and_no_other(grid, engine, tmp_path):
+    """On a miniature with Super's counts (32 query / 2 KV heads, head `*E`), where an engine builds the head's
+    attention from the top level: each trunk attention of the library that the search offers, put in every trunk
+    attention layer, is one mtp-match-attention takes the head to (the engines' top-level fields then agree), and
+    each that it refuses is one the pass cannot reach."""
+    from puzzlekit.passes.puzzle import build_library
+    from puzzlekit.passes.puzzle.engines import PROFILES, get_engine
+    from puzzlekit.passes.puzzle.search import Constraints, Search
+    from puzzlekit.tools.miniature import build_miniature, load_config
+
+    build_miniature(load_config("nemotron-3-super-120b-a12b"), tmp_path / "m", 256)
+    parent = ir.load(tmp_path / "m")
+    grid_file = None if grid == "default" else ir.__file__.rsplit("/", 2)[0] + "/passes/puzzle/planning-grid.toml"
+    lib = build_library(ir.load(tmp_path / "m" / "config.json"), tmp_path / "lib", grid_file)
+    search = Search(lib, parent, [("h100", "decode-heavy")], constraints=Constraints(speedup=1.2), engine=engine)
+    offered = {s for s in search.specs if s.kind == "attention"}
+    every = {lib.spec(r) for r in lib.rows if r["kind"] == "attention"}
+    head, profile = parent.find("mtp")[0].op, get_engine(engine)
+    block = next(b for b in head.blocks if b.kind == "attention")
+    # q-head cuts within a KV group are refused where all three fields are the top level's (TensorRT-LLM's, in
+    # `all`); SGLang reads only the KV pool's shape, which a merge always reaches
+    assert len(offered) > 1 and bool(every - offered) == (engine == "all")
+    g = torch.Generator().manual_seed(0)
+    for spec in sorted(every, key=lambda s: (s.q_heads, s.kv_heads)):
+        prog = ir.load(tmp_path / "m")
+        for node in prog.find("attention"):
+            prog.rewrite(node, op=spec, weights={k: torch.randn(shape, generator=g) * 0.1
+                                                 for k, shape in spec.params().items()})
+        if spec not in offered:
+            assert profile.head_cannot_follow(spec, head)
+            with pytest.raises(PassError, match="only merging or dropping whole KV groups"):
+                _run(prog, f"mtp-match-attention{{engine={engine}}}")
+            continue
+        _run(prog, f"mtp-match-attention{{engine={engine}}}")
+        got = next(b for b in prog.find("mtp")[0].op.blocks if b.kind == "attention")
+        assert (got.q_heads, got.kv_heads, got.head_dim) == profile.head_attention(spec, block)
+    assert PROFILES["vllm"].head_cannot_follow(min(every, key=lambda s: s.q_heads), head) == ""

@@ -165,6 +165,9 @@ def scenario_of(args, prog=None, name: str | None = None, **more):
             "gpus": args.gpus, "layout": args.layout, "ssm_dtype": ssm_dtype_of(args, prog),
             "cuda_graphs": getattr(args, "cuda_graphs", None), **more}
     if getattr(args, "mtp", False):
+        if prog is not None and not prog.find("mtp"):
+            raise UsageError("--mtp prices drafting with the model's MTP head, and the model has none "
+                             "(Nemotron-3-Nano and the dense Nemotron-H have none): drop --mtp")
         measured = measured_acceptance(prog) if prog is not None else None
         acceptance = args.mtp_acceptance or (measured or {}).get("length")
         if not acceptance:
