@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from puzzlekit import ir
 from puzzlekit.ir.checkpoint import configs
@@ -112,6 +113,24 @@ def test_a_parent_whose_mtp_head_no_engine_loads_is_refused_with_the_way_out(met
     get_engine("none").check_parent(odd)
     with pytest.raises(PassError, match="unknown engine 'trt'"):
         get_engine("trt")
+
+
+def test_a_parent_whose_head_cannot_follow_its_own_trunk_attention_is_refused_before_the_library(tmp_path, capsys):
+    """The built-in model's trunk attention at head size 16 (its head's 32): no merge or dropped group takes the
+    head there, so under TensorRT-LLM's top-level attention no child is servable; compress stops before any work."""
+    from puzzlekit.tools.cli import main
+
+    odd = ir.load(DEFAULT_MODEL)
+    for node in odd.find("attention"):
+        op = node.op.replace(head_dim=16)
+        odd.rewrite(node, op=op, weights={k: torch.zeros(shape) for k, shape in op.params().items() if "_proj" in k})
+    with pytest.raises(PassError, match=r"4 query / 2 KV heads of 16: the MTP head's \(4 / 2 of 32\) cannot follow"):
+        get_engine("all").check_parent(odd)
+    get_engine("vllm").check_parent(odd)  # vLLM builds the head from its own fields
+    ir.save(odd, tmp_path / "odd", extended=True)
+    code = main(["compress", str(tmp_path / "odd"), "--quick", "--target", "h100", "-o", str(tmp_path / "out")])
+    assert code != 0 and "cannot follow" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "library").exists()
 
 
 def test_the_command_line_offers_every_profile():

@@ -287,7 +287,8 @@ def _mtp_line(quality: dict | None, head: bool = True) -> str:
     """The MTP head's speed as delivered: child and parent acceptance on the report set (the report's quality
     table), so a head that lost its drafts is seen without opening the report."""
     if not head:
-        return "MTP: the model has no MTP head (no head work, no acceptance figures; served without speculative decoding)"
+        return ("MTP: the model has no MTP head (no head work, no acceptance figures; served without speculative "
+                "decoding)")
     if not quality or quality["child"].get("mtp_acceptance") is None:
         return ""
     child, parent = quality["child"]["mtp_acceptance"], quality["parent"]["mtp_acceptance"]

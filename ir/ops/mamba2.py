@@ -244,7 +244,8 @@ class Mamba2Mixer(nn.Module):
         xbc = xbc.transpose(1, 2)
         x, B, C = xbc.split([s.inner, s.groups * s.state, s.groups * s.state], dim=-1)
         with full_precision(u):  # the scan and its state in float32, whatever the forward's precision
-            dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(s.dt_min, None if s.dt_max == math.inf else s.dt_max)
+            high = None if s.dt_max == math.inf else s.dt_max
+            dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(s.dt_min, high)
             A = -torch.exp(self.A_log.float())
             rep = s.heads // s.groups
             x = x.reshape(b, t, s.heads, s.head_dim).float()

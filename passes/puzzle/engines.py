@@ -104,10 +104,10 @@ class EngineProfile:
         for b in (b for b in head.blocks if b.kind == "attention"):
             q, kv, d = self.head_attention(trunk, b)
             if (q, kv, d) != (b.q_heads, b.kv_heads, b.head_dim) and not head_match_axis(b, q, kv, d):
-                return (f"attention of {trunk.q_heads} query / {trunk.kv_heads} KV heads of {trunk.head_dim}: the MTP "
-                        f"head's ({b.q_heads} / {b.kv_heads} of {b.head_dim}) cannot follow it ({', '.join(self.engines)} "
-                        "build the head's attention from the top level; only merging KV heads or dropping whole KV "
-                        "groups reaches another shape)")
+                return (f"attention of {trunk.q_heads} query / {trunk.kv_heads} KV heads of {trunk.head_dim}: the "
+                        f"MTP head's ({b.q_heads} / {b.kv_heads} of {b.head_dim}) cannot follow it "
+                        f"({', '.join(self.engines)} build the head's attention from the top level; only merging KV "
+                        "heads or dropping whole KV groups reaches another shape)")
         return ""
 
     def unsplit(self, op, layout, recipes: str = "") -> str:
