@@ -46,6 +46,7 @@ def build(out: Path, layers: int = 88, experts: int = 512, top_k: int = 22, seed
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     from puzzlekit.ir.ops import MTP, Attention, MoE
+    from puzzlekit.tools.miniature import seeded_init
 
     d_ff = max(8, D_FF * 512 // experts)  # equal bytes across expert counts
     cfg = NemotronHConfig(
@@ -57,20 +58,7 @@ def build(out: Path, layers: int = 88, experts: int = 512, top_k: int = 22, seed
         pad_token_id=0)
     torch.manual_seed(seed)
     model = NemotronHForCausalLM(cfg).float().eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # transformers' init is tiny: give routing and logits something to decide
-        for name, p in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf == "A_log":
-                p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=torch.float32)))
-            elif leaf == "D" or "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif leaf == "dt_bias":
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5 - 3.0)
-            elif leaf == "e_score_correction_bias":
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    g = seeded_init(model, seed + 1)  # transformers' init is tiny: give routing and logits something to decide
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     eps = cfg.layer_norm_epsilon

@@ -65,9 +65,10 @@ def miniature_config(cfg: dict, vocab_size: int, layers: int | None = None) -> d
     return out
 
 
-def _init(model, seed: int) -> None:
+def seeded_init(model, seed: int):
     """Seeded weights of O(1) effect per layer (transformers' init is tiny: routing and logits would decide
-    nothing): A_log spread over heads, dt_bias near softplus^-1 of a small step, norms near 1."""
+    nothing): A_log spread over heads, dt_bias near softplus^-1 of a small step, norms near 1. Returns the
+    generator, for the tensors drawn after these."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -84,6 +85,7 @@ def _init(model, seed: int) -> None:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    return g
 
 
 def build_miniature(cfg: dict, out: Path, vocab_size: int, tokenizer=None, layers: int | None = None,
@@ -106,7 +108,7 @@ def build_miniature(cfg: dict, out: Path, vocab_size: int, tokenizer=None, layer
     hf_cfg = NemotronHConfig(**fields)
     torch.manual_seed(seed)
     model = NemotronHForCausalLM(hf_cfg).float().eval()
-    _init(model, seed + 1)
+    seeded_init(model, seed + 1)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     if tokenizer is not None:
