@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from ..eta import LINES, Remaining, bars
 from ..errors import PuzzlekitError
 from ..ir import Program, print_program, verify
 from .core import AnalysisManager, Pass, PassError, Preserved
@@ -19,7 +20,8 @@ class Instrumentation:
 
     verify_each: bool = False
     print_ir_after: bool = False
-    progress: bool = False  # show progress bars for long passes (see `progress`)
+    progress: bool = False  # show progress bars for long passes on a terminal (see `progress`)
+    lines: bool = True  # where no bar is drawn (a log file, --json), a progress line on stderr now and then
     log: bool = False  # a line on stderr as each pass starts and ends (with its time), piped or not
     out: object = None  # where IR dumps go (default: stderr)
     stages: object = None  # a stages.StageCheckpoints: save after each pass, skip what an earlier run finished
@@ -94,7 +96,20 @@ def _log(ins: Instrumentation, name: str, what: str) -> None:
         print(f"{name}: {what}", file=ins.out or sys.stderr, flush=True)
 
 
-def progress(iterable, am: AnalysisManager, desc: str, total: int | None = None):
-    """Wraps a long loop of a pass in a progress bar when the instrumentation asks for one."""
+def reporting(am: AnalysisManager) -> bool | str:
+    """How a pass shows a long loop's progress (eta.Remaining's `progress`): True (a bar on a terminal, lines
+    elsewhere), eta.LINES (lines only: the bars are off) or False."""
     ins = getattr(am, "instrument", None)
-    return tqdm(iterable, desc=desc, total=total, disable=not (ins and ins.progress), leave=False)
+    if ins is None:
+        return False
+    return True if ins.progress else LINES if ins.lines else False
+
+
+def progress(iterable, am: AnalysisManager, desc: str, total: int | None = None, unit: str = "layer"):
+    """Yields the items of a long loop of a pass; as each is done, a bar or a line says so (`reporting`)."""
+    how = reporting(am)
+    total = total if total is not None else len(iterable) if hasattr(iterable, "__len__") else 0
+    left = Remaining(desc, total, unit, how)
+    for item in tqdm(iterable, desc=desc, total=total or None, disable=not bars(how), leave=False):
+        yield item
+        left.done()

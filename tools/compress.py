@@ -183,7 +183,8 @@ def _check_held_out(args, out: Path, library: Path, corpus, parent) -> None:
     text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
     check_held_out(head_work(parse_pipeline(resolve_pipeline(text)), parent), corpus)
     require_windows(corpus, "report", REPORT_SEQ + 1, "the report's figures")
-    require_windows(corpus, "report", PROMPT_LEN, "the report's MTP prompts")
+    if parent.find("mtp"):
+        require_windows(corpus, "report", PROMPT_LEN, "the report's MTP prompts")
 
 
 def head_work(passes: list, parent) -> list:

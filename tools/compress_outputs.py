@@ -39,10 +39,14 @@ def _mark(out: Path, name: str, info: dict) -> None:
 
 def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
     """The child checkpoint, plan.json (with the search's frontier and measured figures) and the bundle;
-    each skipped when an earlier run wrote it."""
+    each skipped when an earlier run wrote it. Lines on stderr say how far it got (after the pipeline's
+    passes, a log would otherwise be silent for minutes)."""
     from .. import ir
+    from ..eta import LINES, Remaining
     from ..ir.nemotron_h_puzzle import Unpublishable
 
+    names = ("model", "serving", "quality", *(("tasks",) if getattr(args, "tasks", None) else ()), "plan", "bundle")
+    left = Remaining("outputs", sum(not _done(out, n) for n in names), unit="step", progress=LINES)
     done = {}
     if not _done(out, "model"):
         try:
@@ -54,24 +58,30 @@ def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
             ir.save(prog, out / "model", overwrite=True, extended=True)
             form = f"puzzlekit extended form ({str(e).split(';')[0].removeprefix('save: ')})"
         _mark(out, "model", {"form": form})
+        left.done()
     done["model"] = json.loads((out / "work" / "model.done").read_text())
     if not _done(out, "serving"):
         _mark(out, "serving", serving(out / "model", prog.meta.get("plan") or {}))
+        left.done()
     done["serving"] = json.loads((out / "work" / "serving.done").read_text())
     if not _done(out, "quality"):
         _mark(out, "quality", quality(parent, prog, args))
+        left.done()
     done["quality"] = json.loads((out / "work" / "quality.done").read_text())
     if getattr(args, "tasks", None) and not _done(out, "tasks"):
         _mark(out, "tasks", task_scores(parent, prog, args))
+        left.done()
     if not _done(out, "plan"):
         points = frontier(parent, args, library)
         plan = {"plan": prog.meta.get("plan"), "frontier": points, "engine": engine_cost(parent, args, library, points),
                 "deployment": deployment(parent, prog, args)}
         write_json(out / "plan.json", plan)
         _mark(out, "plan", {})
+        left.done()
     if not _done(out, "bundle"):
         published = done["model"]["form"].startswith("published")  # what the engines load
         _mark(out, "bundle", bundle(prog, args, out / "bundle", out / "model" if published else None))
+        left.done()
     done["bundle"] = json.loads((out / "work" / "bundle.done").read_text())
     return done
 

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import PuzzlekitError
-from ..eta import Remaining
+from ..eta import Remaining, bars
 from .checkpoints import FileCheckpoint, ShardedCheckpoint
 from .ranks import _finite_everywhere, nonfinite_parameters
 
@@ -64,7 +64,7 @@ class Fit:
 
 def fit(model: torch.nn.Module, step_loss: Callable[..., tuple[torch.Tensor, dict]], schedule: Schedule, *,
         rng: torch.Generator | None = None, state_file: Path | None = None, every: int = 50,
-        identity: dict | None = None, desc: str = "train", progress: bool = False,
+        identity: dict | None = None, desc: str = "train", progress: bool | str = False,
         max_seconds: float = 0.0, postfix: Callable[[dict], dict] | None = None, callbacks: list = (),
         write: bool = True, micro: int = 1, no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
         checkpoint: FileCheckpoint | ShardedCheckpoint | None = None, zero_unused: bool = False,
@@ -77,7 +77,8 @@ def fit(model: torch.nn.Module, step_loss: Callable[..., tuple[torch.Tensor, dic
     (the settings that must not change) resumes from there, and ends where an uninterrupted run would.
     `checkpoint` (a `FileCheckpoint` or `ShardedCheckpoint`) replaces `state_file` with another format.
     After each step every callback's `on_step(step, parts)` runs (e.g. an evaluation); one returning True
-    stops the run. Data-parallel processes all read the state and pass `write` only on rank 0.
+    stops the run. Data-parallel processes all read the state and pass `write` only on rank 0. `progress`
+    (with `write`): a bar on a terminal, lines on stderr in a log (eta.Remaining).
 
     Gradient accumulation: with `micro` = n > 1 a step calls `step_loss(step, k)` for k in range(n), each
     micro-batch's forward and backward in turn, then takes one optimizer step; each call returns its share
@@ -112,8 +113,8 @@ def fit(model: torch.nn.Module, step_loss: Callable[..., tuple[torch.Tensor, dic
         earlier, stopped = st.get("seconds", 0.0), st.get("stopped", False)
     start, log = time.monotonic(), []
     model.train()
-    bar = tqdm(total=schedule.steps, initial=step, desc=desc, disable=not (progress and write), leave=False)
-    left = Remaining(desc, schedule.steps - step, unit="step", enabled=progress and write)
+    bar = tqdm(total=schedule.steps, initial=step, desc=desc, disable=not (write and bars(progress)), leave=False)
+    left = Remaining(desc, schedule.steps - step, unit="step", progress=progress if write else False)
 
     def save():
         bad = nonfinite_parameters(model)

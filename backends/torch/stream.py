@@ -1,20 +1,24 @@
 """Runs a Program one node at a time, within a memory budget, so a model larger than memory still runs.
 
 A node's module is built and its weights read from the store (lazily, from the checkpoint) when it runs;
-modules are kept while the weights kept by every stream of the process fit half the budget, and the rest are
-read again when next used: layers are visited in order, again and again (every sweep, every layer scored),
-and for such scans keeping a fixed set beats evicting the least recently used (which would keep none of the
-layers that come next). `sweep` runs the trunk node-major, every window through one node before the next
-node is read, so each layer is read once per sweep, and keeps each value as a `Tape` of per-batch tensors in
-host memory that spills to scratch files past a quarter of the budget. The nodes after the last block (final
-norm, LM head, MTP head) then run batch by batch, so logits are never held for more than one batch.
+modules are kept while the weights kept by every stream of the process, and the work held beside them
+(`holding`: a library layer's variants and their training), fit half the budget, and the rest are read again
+when next used: layers are visited in order, again and again (every sweep, every layer scored), and for such
+scans keeping a fixed set beats evicting the least recently used (which would keep none of the layers that
+come next); a caller that knows a layer will not be read again drops it (`release(nodes)`). `sweep` runs the
+trunk node-major, every window through one node before the next node is read, so each layer is read once per
+sweep, and keeps each value as a `Tape` of per-batch tensors in host memory that spills to scratch files past
+a quarter of the budget. The nodes after the last block (final norm, LM head, MTP head) then run batch by
+batch, so logits are never held for more than one batch.
 
 `StreamedProgram` answers like `ProgramModule` for what evaluation and the passes use: `outputs(windows)`,
 a call on one batch, `values`, `get_submodule` of a node, `program` and `compute`.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -110,8 +114,25 @@ def module_bytes(m: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
 
 
-#: bytes of the modules kept by all streams of this process (the budget is the process's)
+#: bytes of the modules kept by all streams of this process and of the work held beside them (`holding`): the
+#: budget is the process's
 _kept = [0]
+#: the live streams, whose kept modules make room for held work
+_streams: weakref.WeakSet = weakref.WeakSet()
+
+
+@contextmanager
+def holding(nbytes: int):
+    """Counts `nbytes` of work held outside the streams (a library layer's parent weights, variants and their
+    training state) against the room of kept modules while it lasts: kept modules are dropped, the last kept
+    first, until they fit beside it, and no module is kept that would not."""
+    _kept[0] += nbytes
+    try:
+        for stream in list(_streams):
+            stream._fit()
+        yield
+    finally:
+        _kept[0] -= nbytes
 
 
 class StreamedProgram:
@@ -127,6 +148,7 @@ class StreamedProgram:
             self.room = min(self.room, torch.cuda.mem_get_info(compute.device)[0] // 2)
         self._cache: dict[str, tuple[nn.Module, int]] = {}
         self.reads = 0  # modules built from the store (a measure of the weight traffic, for tests and benchmarks)
+        _streams.add(self)
 
     # -- modules -----------------------------------------------------------------------------------------------
     def module(self, node: Node | str) -> nn.Module:
@@ -165,10 +187,22 @@ class StreamedProgram:
             for local in n.op.params():
                 yield f"{n.path}.{local}", _dense(w.get(f"{n.path}.{local}"))
 
-    def release(self) -> None:
-        """Drops the kept modules (their weights are read again when next used)."""
-        _kept[0] -= sum(size for _, size in self._cache.values())
-        self._cache.clear()
+    def release(self, nodes=None) -> None:
+        """Drops the kept modules, or those of `nodes` (nodes or paths; say, layers a scan will not read again):
+        their weights are read again when next used."""
+        paths = list(self._cache) if nodes is None else [n if isinstance(n, str) else n.path for n in nodes]
+        for path in paths:
+            if path in self._cache:
+                _kept[0] -= self._cache.pop(path)[1]
+
+    def kept_bytes(self) -> int:
+        """Bytes of the modules this stream keeps."""
+        return sum(size for _, size in self._cache.values())
+
+    def _fit(self) -> None:
+        """Drops kept modules, the last kept first, while the process keeps more than this stream's room."""
+        while _kept[0] > self.room and self._cache:
+            _kept[0] -= self._cache.pop(next(reversed(self._cache)))[1]
 
     def __del__(self):
         if _kept is not None:  # None at interpreter exit, when there is nothing left to account for

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..core import ComputePass, PassError, Preserved, pipeline_data, register
+from ..manager import reporting
 # re-exported for importing; to replace one (a test's monkeypatch), set it on its own module, which is where
 # the others look it up (e.g. sharding.shard_model, teacher_store.CHUNK_BYTES)
 from .evaluator import Evaluator
@@ -151,9 +152,8 @@ class Distill(ComputePass):
             if rounds[1] > 1:  # each round of repeat{...} resumes its own run
                 state_dir = state_dir / f"round{rounds[0]}"
             state_dir.mkdir(parents=True, exist_ok=True)
-        ins = getattr(am, "instrument", None)
         settings = replace(self, data=pipeline_data(self.data, am))
-        report = distill(prog, teacher_program(self.teacher, am), settings, state_dir, bool(ins and ins.progress),
+        report = distill(prog, teacher_program(self.teacher, am), settings, state_dir, reporting(am),
                          self.compute(am))
         am.reports.setdefault("distill", []).append(report)
         return Preserved.structure_only()

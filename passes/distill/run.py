@@ -84,9 +84,9 @@ def teacher_program(name: str, am) -> Program:
 
 
 def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | None = None,
-            progress: bool = False, compute: Compute = CPU) -> dict:
+            progress: bool | str = False, compute: Compute = CPU) -> dict:
     """Trains `prog`'s weights in place against `teacher_prog` on `compute`'s device and precision; returns
-    the run's report."""
+    the run's report. `progress`: a bar, or lines in a log (eta.Remaining), on rank 0."""
 
     if prog.is_meta or teacher_prog.is_meta:
         raise PassError("distill needs weights: the student or the teacher was loaded from a bare config")
@@ -216,7 +216,8 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
         try:
             with trains.matmul_precision():  # the backward's float32 matmuls too
                 run = fit(student, step_loss, schedule, rng=gen, every=d.checkpoint_every, identity=identity,
-                          checkpoint=checkpoint, desc="distill", progress=progress and rank == 0, callbacks=[ev],
+                          checkpoint=checkpoint, desc="distill", progress=progress if rank == 0 else False,
+                          callbacks=[ev],
                           micro=d.accumulate, no_sync=no_sync, zero_unused=shard == "fsdp" and world == 1,
                           scaler=compute.grad_scaler(sharded=mesh is not None))
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import field
 
 from ..core import ComputePass, PassError, Preserved, pipeline_data, register
+from ..manager import reporting
 from .build import LibrarySettings, build_library, library_windows
 from .grid import DEFAULT_GRID, GridError, Variant, load_grid, variants
 from .importance import compute_importance
@@ -51,7 +52,8 @@ class BuildLibrary(ComputePass):
         compute = self.compute(am)
         known = None if prog.is_meta else am.get("importance", samples=self.calib_windows, seq=self.seq,
                                                    data=tuple(s.data), device=str(compute.device))
-        lib = build_library(prog, self.out, self.grid or None, s, importance=known, compute=compute)
+        lib = build_library(prog, self.out, self.grid or None, s, progress=reporting(am), importance=known,
+                            compute=compute)
         am.reports["library"] = {"path": str(lib.path), "variants": len(lib.rows)}
         return Preserved.all()
 

@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ...backends.torch import checkpoint_state
-from ...eta import Remaining
+from ...eta import Remaining, bars
 from ...backends.torch.device import CPU, Compute
-from ...backends.torch.stream import StreamedProgram
+from ...backends.torch.stream import StreamedProgram, holding
 from ...ir import Program, print_program
 from ...outputs import atomic_file, check_output, write_json
 from ...training import barrier, distributed
@@ -73,10 +73,11 @@ def _start(prog: Program, out: Path, settings: LibrarySettings, digest: str) -> 
 
 
 def build_library(prog: Program, out, grid_file=None, settings: LibrarySettings | None = None,
-                  progress: bool = False, importance: dict | None = None, compute: Compute = CPU) -> Library:
+                  progress: bool | str = False, importance: dict | None = None, compute: Compute = CPU) -> Library:
     """Builds (or resumes) the library of `prog` in `out`; a meta program gives a weightless library.
     `importance` (the analysis, on the settings' calibration windows) saves computing it again. The parent,
-    BLD and scoring run on `compute`'s device and precision (importance in float32)."""
+    BLD and scoring run on `compute`'s device and precision (importance in float32). `progress`: a bar, or
+    lines in a log (eta.Remaining)."""
     out = Path(out)
     settings = settings or LibrarySettings()
     settings.grid = settings.grid or load_grid(grid_file)
@@ -91,7 +92,7 @@ def build_library(prog: Program, out, grid_file=None, settings: LibrarySettings 
     weightless = prog.is_meta
     if not weightless and any(load_row(out, i, v.id) is None for i, _, vs in todo for v in vs):
         if rank == 0:
-            _sweep_parent(prog, out, settings, importance, compute)
+            _sweep_parent(prog, out, settings, importance, compute, progress)
         barrier(world)
         _build_rows(prog, out, settings, [t for t in todo if t[0] % world == rank], progress, compute)
     barrier(world)
@@ -144,7 +145,8 @@ def library_windows(s: LibrarySettings, prog: Program) -> tuple[torch.Tensor, to
             held_out_windows(corpus_for(prog, s.data or None), SCORED_ON, s.seq + 1, limit=s.score_windows))
 
 
-def _sweep_parent(prog: Program, out: Path, s: LibrarySettings, known: dict | None, compute: Compute) -> None:
+def _sweep_parent(prog: Program, out: Path, s: LibrarySettings, known: dict | None, compute: Compute,
+                  progress: bool | str = False) -> None:
     """One layer-by-layer pass of the parent over each split: every layer's inputs to disk. The calibration
     pass runs in float32 and gathers the importance statistics on the way (unless known, or already written);
     the held-out pass runs in the compute precision, as the scorer does."""
@@ -159,44 +161,64 @@ def _sweep_parent(prog: Program, out: Path, s: LibrarySettings, known: dict | No
         store = LayerInputs(out, split)
         if store.complete() and attach is None:
             continue
-        for node, tape, _ in StreamedProgram(prog, how, dtype=torch.float32).sweep(windows, batch, attach=attach):
+        stream = StreamedProgram(prog, how, dtype=torch.float32)
+        left = Remaining(f"library sweep ({split})", len(blocks), progress=progress)
+        for node, tape, _ in stream.sweep(windows, batch, attach=attach):
             if node.name in layer_of:
                 store.write(layer_of[node.name], tape.cat())
+            left.done(node.op.is_block)
         store.finish()
     if not f.exists():
         write_json(f, known or stats.result(calib))
 
 
-def _build_rows(prog: Program, out: Path, s: LibrarySettings, todo: list, progress: bool, compute: Compute) -> None:
+def _build_rows(prog: Program, out: Path, s: LibrarySettings, todo: list, progress: bool | str,
+                compute: Compute) -> None:
     clock = Stopwatch()
     _, held_out = library_windows(s, prog)
     ranks = json.loads((out / "importance.json").read_text())["layers"]
     train, valid = LayerInputs(out, "train", compute.device), LayerInputs(out, "valid", compute.device)
     scorer = Scorer(StreamedProgram(prog, compute, dtype=torch.float32), held_out, valid)
-    bar = tqdm(total=sum(len(vs) for _, _, vs in todo), desc="library", disable=not progress)
+    bar = tqdm(total=sum(len(vs) for _, _, vs in todo), desc="library", disable=not bars(progress))
     left = Remaining("library", sum(any(load_row(out, i, v.id) is None for v in vs) for i, _, vs in todo),
-                     enabled=progress)
+                     progress=progress)
+    blocks = prog.blocks()
     for i, node, vs in todo:
         pending = [v for v in vs if load_row(out, i, v.id) is None]
         bar.update(len(vs) - len(pending))
         if not pending:
             continue
-        weights = {k: v.float() for k, v in prog.node_weights(node).items()}
-        x, vx = train(i), valid(i)
-        d, vd = train(i + 1) - x, valid(i + 1) - vx
-        made = [_variant(node, i, v, weights, ranks.get(node.path, {}), (x, d, vx, vd), s, clock, compute)
-                for v in pending]
-        del x, d, vx, vd
-        as_is = [v == Variant() for v in pending]  # the parent's own block: scored from the sweep, not re-run
-        with clock("score"):
-            scores = scorer.score_layer(i, [None if same else b for same, (_, b) in zip(as_is, made)])
-        for v, (row, block), sc in zip(pending, made, scores):
-            save_variant(out, i, v.id, {k: t.detach().cpu() for k, t in checkpoint_state(block).items()},
-                         row | {"scores": sc})
-            bar.update(1)
+        made_bytes, training_bytes = _work_bytes(node, pending)
+        with holding(made_bytes):  # the scorer's kept layers make room for this layer's work
+            with holding(training_bytes):
+                weights = {k: v.float() for k, v in prog.node_weights(node).items()}
+                x, vx = train(i), valid(i)
+                d, vd = train(i + 1) - x, valid(i + 1) - vx
+                made = [_variant(node, i, v, weights, ranks.get(node.path, {}), (x, d, vx, vd), s, clock, compute)
+                        for v in pending]
+                del weights, x, d, vx, vd
+            as_is = [v == Variant() for v in pending]  # the parent's own block: scored from the sweep, not re-run
+            with clock("score"):
+                scores = scorer.score_layer(i, [None if same else b for same, (_, b) in zip(as_is, made)])
+            for v, (row, block), sc in zip(pending, made, scores):
+                save_variant(out, i, v.id, {k: t.detach().cpu() for k, t in checkpoint_state(block).items()},
+                             row | {"scores": sc})
+                bar.update(1)
+            del made, block  # before the next layer's work is held
+        scorer.stream.release(blocks[: i + 2])  # scoring a later layer j reads layers j+1.. only
         left.done()
     bar.close()
     write_json(out / "timings.json", clock.seconds)  # this run's; not part of the manifest
+
+
+def _work_bytes(node, pending: list) -> tuple[int, int]:
+    """What building a layer's variants holds beside the scorer's kept layers (float32 bytes, from their specs):
+    (the variants' blocks, held until scored; the parent's weights they are sliced from and the largest trained
+    variant's training: its starting copy, gradient and AdamW's two moments)."""
+    count = lambda spec: 4 * sum(torch.Size(shape).numel() for shape in spec.params().values())
+    sizes = [count(variant_spec(node.op, v)) for v in pending]
+    trained = [n for v, n in zip(pending, sizes) if v.steps]
+    return sum(sizes), count(node.op) + 4 * max(trained, default=0)
 
 
 class Stopwatch:

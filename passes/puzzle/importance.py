@@ -183,18 +183,21 @@ class ImportanceStats:
         return {"layers": self.layers, "routing": self.routing, "tokens": int(windows.numel())}
 
 
-def compute_importance(prog: Program, windows: torch.Tensor, batch: int = 4, compute=None) -> dict:
+def compute_importance(prog: Program, windows: torch.Tensor, batch: int = 4, compute=None,
+                       progress: bool | str = False) -> dict:
     """{"layers": {path: {axis: ranks}}, "routing": {path: per-expert frequency}, "tokens": n}. On
     `compute`'s device and within its memory budget, always in float32: statistics summed over many tokens
-    decide close ranks."""
+    decide close ranks. `progress`: lines on stderr as layers finish (eta.Remaining)."""
     from ...backends.torch.device import CPU, Compute
     from ...backends.torch.stream import StreamedProgram
+    from ...eta import Remaining
 
     compute = compute or CPU
     stats = ImportanceStats()
-    for _ in StreamedProgram(prog, Compute(compute.device, memory=compute.memory)).sweep(windows, batch,
-                                                                                          attach=stats.attach):
-        pass
+    stream = StreamedProgram(prog, Compute(compute.device, memory=compute.memory))
+    left = Remaining("importance", len(prog.blocks()), progress=progress)
+    for node, _, _ in stream.sweep(windows, batch, attach=stats.attach):
+        left.done(node.op.is_block)
     return stats.result(windows)
 
 
@@ -204,5 +207,7 @@ def importance(prog: Program, am: AnalysisManager, samples: int = 32, seq: int =
     """Ranks of every prunable unit (see passes.puzzle.importance) on `samples` calibration windows."""
     from ...backends.torch.device import resolve
     from ...text.data import calibration_windows
+    from ..manager import reporting
 
-    return compute_importance(prog, calibration_windows(list(data), samples, seq, prog), compute=resolve(device))
+    return compute_importance(prog, calibration_windows(list(data), samples, seq, prog), compute=resolve(device),
+                              progress=reporting(am))

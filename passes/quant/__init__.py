@@ -6,7 +6,6 @@ import sys
 from dataclasses import field
 from typing import ClassVar
 
-from ...eta import Remaining
 from ...text.data import calibration_windows
 from ..core import ComputePass, PassError, Preserved, pipeline_data, register
 from ..manager import progress
@@ -71,10 +70,9 @@ class Quantize(ComputePass):
         calib = ActivationAmax(act_modules) if act_modules else None
         # one run of the original: its activations calibrated, its logits kept for the report
         original = teacher.record(windows, 4, prog.outputs[:1], attach=calib.attach if calib else None)
+        teacher.release()  # the original is not run again: its kept layers give their room to the new weights
         amax = calib.amax if calib else {}
-        ins = getattr(am, "instrument", None)
-        left = Remaining("quantize", len(plan), enabled=bool(ins and ins.progress))
-        for path, params in progress(plan.items(), am, "quantize", total=len(plan)):
+        for path, params in progress(plan.items(), am, "quantize", total=len(plan)):  # a bar, or lines in a log
             node = prog.node(path)
             new = {}
             by_format: dict = {}  # a layer's experts read in one go and quantised as one batch
@@ -91,7 +89,6 @@ class Quantize(ComputePass):
                     new[f"{local.rsplit('.', 1)[0]}.input_scale"] = input_scale(amax[module], act)
             prog.rewrite(node, op=node.op.replace(quant=dict(node.op.quant) | params), weights=new)
             prog.weights.spill_over(compute.budget // 4)
-            left.done()
         report = {"recipe": self.recipe, "calib": self.calib.value, "weights": sum(len(p) for p in plan.values()),
                   **teacher_agreement(original, StreamedProgram(prog, compute), windows, batch=4)}
         am.reports["quantize"] = report
