@@ -1,7 +1,7 @@
 """Every member of the family: the public configs shipped by name (Nemotron-3 Nano, Super and Ultra,
 Nemotron-3.5-Lightning, the dense Nemotron-H-56B) plan at full size in every command, and miniatures of each,
 built by transformers from the shipped config, compute transformers' logits and compress end to end into a child
-that transformers loads and the engines' code accepts. Oracles: transformers' NemotronH (logits, the child's own
+that transformers loads and the engines' code accepts (the dense 56B, without a head, in the default suite). Oracles: transformers' NemotronH (logits, the child's own
 code), check-serving's reading of the engines' code, and the configs' own counts."""
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def _members(*slow):
     return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in FAMILY]
 
 
-@pytest.mark.parametrize("name", _members(SUPER, ULTRA, LIGHTNING))
+@pytest.mark.parametrize("name", _members(NANO, SUPER, ULTRA, LIGHTNING))  # the dense 56B: no head, no experts
 def test_a_miniature_of_each_member_compresses_into_a_child_transformers_and_the_engines_load(
         name, minis, subword, capsys, tmp_path):
     d, _ = minis[name]
