@@ -310,6 +310,8 @@ def _subword_checkpoint(d: Path, tokenizer):
     from safetensors.torch import load_file, save_file
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
+    from puzzlekit.tools.miniature import seeded_init
+
     letters = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
     cfg = NemotronHConfig(
         vocab_size=SUBWORD_VOCAB, hidden_size=HIDDEN, layers_block_type=[letters[c] for c in "MEM*E"],
@@ -320,20 +322,7 @@ def _subword_checkpoint(d: Path, tokenizer):
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = NemotronHForCausalLM(cfg).float().eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf == "A_log":
-                p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=torch.float32)))
-            elif leaf in ("D",) or "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif leaf == "dt_bias":
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5 - 3.0)
-            elif leaf == "e_score_correction_bias":
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    g = seeded_init(model, 1, std=0.3)
     model.save_pretrained(d)
     tokenizer.save_pretrained(d)
     eps = cfg.layer_norm_epsilon

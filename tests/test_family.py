@@ -1,8 +1,9 @@
 """Every member of the family: the public configs shipped by name (Nemotron-3 Nano, Super and Ultra,
 Nemotron-3.5-Lightning, the dense Nemotron-H-56B) plan at full size in every command, and miniatures of each,
 built by transformers from the shipped config, compute transformers' logits and compress end to end into a child
-that transformers loads and the engines' code accepts (the dense 56B, without a head, in the default suite). Oracles: transformers' NemotronH (logits, the child's own
-code), check-serving's reading of the engines' code, and the configs' own counts."""
+that transformers loads and the engines' code accepts (the dense 56B, without a head, in the default suite).
+Oracles: transformers' NemotronH (logits, the child's own code), check-serving's reading of the engines' code,
+and the configs' own counts."""
 from __future__ import annotations
 
 import json

@@ -14,7 +14,7 @@ import json
 import math
 from pathlib import Path
 
-from ..ir.hf_fields import FLOAT32_MAX, LAYER_TYPES
+from ..ir.hf_fields import FLOAT32_MAX, kinds_of
 
 #: widths a miniature takes (each only where the config has the field)
 WIDTHS = {"hidden_size": 32, "head_dim": 8, "mamba_head_dim": 4, "ssm_state_size": 8, "chunk_size": 16,
@@ -26,9 +26,9 @@ LETTER = {"mamba2": "M", "moe": "E", "attention": "*", "mlp": "-"}
 
 
 def layer_kinds(cfg: dict) -> list[str]:
-    """The trunk's layer kinds (mamba2, moe, attention, mlp), from either config form."""
-    layout = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern") or ""
-    return [LAYER_TYPES[t] for t in layout]
+    """The trunk's layer kinds (mamba2, moe, attention, mlp), from either config form (checked as a load does)."""
+    field = "layers_block_type" if cfg.get("layers_block_type") is not None else "hybrid_override_pattern"
+    return kinds_of(cfg.get(field) or "", field, "the config")
 
 
 def shortest_prefix(kinds: list[str]) -> int:
@@ -65,10 +65,10 @@ def miniature_config(cfg: dict, vocab_size: int, layers: int | None = None) -> d
     return out
 
 
-def seeded_init(model, seed: int):
+def seeded_init(model, seed: int, std: float | None = None):
     """Seeded weights of O(1) effect per layer (transformers' init is tiny: routing and logits would decide
-    nothing): A_log spread over heads, dt_bias near softplus^-1 of a small step, norms near 1. Returns the
-    generator, for the tensors drawn after these."""
+    nothing): A_log spread over heads, dt_bias near softplus^-1 of a small step, norms near 1, the rest of
+    standard deviation `std` (default 1/sqrt(fan-in)). Returns the generator, for the tensors drawn after these."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -84,7 +84,7 @@ def seeded_init(model, seed: int):
             elif leaf == "e_score_correction_bias":
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+                p.copy_(torch.randn(p.shape, generator=g) * (std or p.shape[-1] ** -0.5))
     return g
 
 
