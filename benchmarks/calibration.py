@@ -1,6 +1,10 @@
 """The serving model against public measurements: a calibration set, a validation set and the Puzzle-75B claims.
 
-Run: python benchmarks/calibration.py [--json] [--sensitivity] [--fit launch_seconds]
+Run: python benchmarks/calibration.py [--json] [--sensitivity] [--fit launch_seconds] [--prices tables]
+
+With `--prices tables` every point is priced from NVIDIA's measured kernel tables (aiconfigurator-core) of the
+point's engine (vLLM, SGLang; TensorRT-LLM's for the Puzzle-75B claims), with puzzlekit's own terms where they
+measure nothing (backends/cost/tables.py: TABLE_EFFICIENCY; `--fit mamba_memory` sets its one constant).
 
 - calibration set: the points the constants without a kernel-level source were set on (`--fit NAME` prints the
   calibration error over a grid of one constant; the value kept is in backends/cost/analytic.py: Efficiency);
@@ -25,6 +29,7 @@ from pathlib import Path
 
 from puzzlekit import ir
 from puzzlekit.backends.cost import AnalyticProvider, CostModel, Efficiency, best_layout, get_scenario
+from puzzlekit.backends.cost.tables import TABLE_EFFICIENCY, TablesProvider
 from puzzlekit.backends.targets import get_target
 from puzzlekit.tools.default_model import config_path
 
@@ -77,6 +82,14 @@ HELD_OUT = [
 #: the Puzzle-75B report's MTP acceptance lengths (REFERENCE.md); the draft length is not given: 4 is the
 #: smallest that allows 4.34 tokens per step
 MTP = {"parent": 3.45, "child": 4.34, "draft": 4}
+PRICES = {"provider": "analytic"}  # --prices
+
+
+def provider(target, eff: Efficiency, engine: str = "TensorRT-LLM"):
+    """The provider --prices names, with `eff` for its own terms; the tables of the point's engine."""
+    if PRICES["provider"] == "tables":
+        return TablesProvider(target, engine.split()[0].lower(), eff)
+    return AnalyticProvider(target, eff)
 
 
 def predict(point: Point, prog, eff: Efficiency) -> float:
@@ -84,7 +97,7 @@ def predict(point: Point, prog, eff: Efficiency) -> float:
     sc = get_scenario("chat", input_len=point.input_len, output_len=point.output_len, rate_floor=0.0,
                       concurrency=point.concurrency, kv_dtype="fp8" if point.precision != "bf16" else "bf16",
                       recipe=RECIPE[point.precision], layout=f"tp{point.gpus}")
-    cm = CostModel(prog, target, sc, AnalyticProvider(target, eff))  # the engine's layout, pinned
+    cm = CostModel(prog, target, sc, provider(target, eff, point.engine))  # the engine's layout, pinned
     return 1 / cm.decode_step_seconds(1) if point.concurrency == 1 else cm.report().throughput_tokens_per_second
 
 
@@ -100,7 +113,7 @@ def errors(points, models, eff) -> list[dict]:
 def _pair(parent, child, target, scenario, eff, **kw):
     t = get_target(target)
     sc = get_scenario(scenario, recipe="nvfp4-hybrid", **kw)
-    return [best_layout(p, t, sc, AnalyticProvider(t, eff))[1] for p in (parent, child)]
+    return [best_layout(p, t, sc, provider(t, eff))[1] for p in (parent, child)]
 
 
 def headlines(parent, child, eff: Efficiency) -> dict:
@@ -108,7 +121,7 @@ def headlines(parent, child, eff: Efficiency) -> dict:
     dec, pre = _pair(parent, child, "8xb200", "decode-heavy", eff), _pair(parent, child, "8xb200", "prefill-heavy", eff)
     mtp = [best_layout(p, get_target("8xb200"), get_scenario("decode-heavy", recipe="nvfp4-hybrid",
                                                              mtp_draft=MTP["draft"], mtp_acceptance=MTP[w]),
-                       AnalyticProvider(get_target("8xb200"), eff))[1] for p, w in ((parent, "parent"), (child, "child"))]
+                       provider(get_target("8xb200"), eff))[1] for p, w in ((parent, "parent"), (child, "child"))]
     thr = lambda r: r.throughput_tokens_per_second  # noqa: E731
     return {"decode-heavy": (2.03, thr(dec[1]) / thr(dec[0]), 0.10, dec),
             "prefill-heavy": (1.60, thr(pre[1]) / thr(pre[0]), 0.10, pre),
@@ -189,8 +202,10 @@ def main() -> None:
     ap.add_argument("--settings", action="store_true", help="the ratios under each SSM state dtype x CUDA graphs x "
                                                             "layout, next to the published 2.03x / 1.60x")
     ap.add_argument("--fit", metavar="CONSTANT", help="calibration-set error over a grid of one Efficiency field")
+    ap.add_argument("--prices", choices=["analytic", "tables"], default="analytic")
     args = ap.parse_args()
-    eff = Efficiency()
+    PRICES["provider"] = args.prices
+    eff = TABLE_EFFICIENCY if args.prices == "tables" else Efficiency()
     parent, child = ir.load(SUPER), puzzle75b.build(SUPER)
     models = {"super": parent, "nano": ir.load(NANO)}
     if args.fit:

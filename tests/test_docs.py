@@ -20,7 +20,7 @@ COMMANDS = """```bash
 pip install torch==2.13.0 && pip install -e . && puzzlekit compress --quick --target h100 --scenario decode-heavy --speedup 1.5 -o runs/quick-h100
 
 # set up and run the tests
-pip install torch==2.13.0 && pip install -e '.[test,tensorrt-rtx]' && python -m pytest -q -m "not slow"
+pip install torch==2.13.0 && pip install -e '.[test,tensorrt-rtx,tables]' && python -m pytest -q -m "not slow"
 ```"""
 
 _FENCE = re.compile(r"^(```|~~~)")

@@ -84,6 +84,10 @@ def parser() -> argparse.ArgumentParser:
                                                                ".toml file of one (FILE.toml:NAME for one of several)")
     c.add_argument("--recipe", help="weight precisions: bf16, fp8, nvfp4, nvfp4-hybrid")
     c.add_argument("--concurrency", type=positive_int, help="requests served at once (default: as many as fit)")
+    c.add_argument("--engine", choices=["tensorrt-llm", "vllm", "sglang"], default="tensorrt-llm",
+                   help="whose measured kernel tables price it (with the tables; default tensorrt-llm)")
+    c.add_argument("--explain", action="store_true", help="each op kind's time by part, with where its price came "
+                                                          "from (measured, borrowed, roofline, puzzlekit's term)")
     add_workload_arguments(c)
     c.set_defaults(run=deploy.cost)
 

@@ -121,6 +121,9 @@ def add_workload_arguments(parser, mtp: bool = True) -> None:
     g.add_argument("--ssm-cache-dtype", choices=["float32", "bfloat16", "float16"],
                    help="the Mamba SSM state cache, priced and served (default: the checkpoint's "
                         "mamba_ssm_cache_dtype, else the scenario's, float32)")
+    g.add_argument("--prices", choices=["auto", "tables", "analytic"],
+                   help="what prices a GPU target: NVIDIA's measured kernel tables (puzzlekit[tables]), puzzlekit's "
+                        "analytic roofline, or auto (default): the tables where installed and covering the GPU")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
                    help="price decode without CUDA graphs (each kernel a host launch; vLLM --enforce-eager)")
     if not mtp:

@@ -49,7 +49,7 @@ def pipeline_text(template: str, args, out: Path, library: Path) -> str:
     c = constraints_of(args)
     constraints = [f"{k}={getattr(c, k)}" for k in SWEPT + ("context",) if getattr(c, k)]
     constraints += [f"keep=[{','.join(c.keep)}]"] if c.keep else []
-    constraints += [f"engine={args.engine}"]
+    constraints += [f"engine={args.engine}"] + ([f"prices={args.prices}"] if args.prices else [])
     recipe = deploy_recipe(args.target)
     values = {"library": library, "library_budget": budget["library"] + (f",grid={args.grid}" if args.grid else ""),
               "rounds": rounds, "engine": args.engine, "target": args.target, "scenario": args.scenario,

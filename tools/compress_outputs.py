@@ -155,7 +155,7 @@ def frontier(parent, args, library: Path) -> list[dict]:
     for factor in (0.75, 0.9, 1.0, 1.15, 1.3):
         key, c = _scaled(args, factor)
         search = Search(lib, parent, [(args.target, args.scenario)], deploy_recipe(args.target), "kl", c,
-                        engine=args.engine)
+                        engine=args.engine, prices=args.prices)
         for method in ("mip", "uniform", "greedy"):
             try:
                 plan = search.plan(method)
@@ -177,7 +177,7 @@ def engine_cost(parent, args, library: Path, points: list[dict]) -> dict:
     served = next((p["score"] for p in points if p["method"] == "mip" and p["budget"] == 1.0), None)
     try:
         free = Search(Library.open(library, parent), parent, [(args.target, args.scenario)], deploy_recipe(args.target),
-                      "kl", constraints_of(args), engine="none").plan().objective
+                      "kl", constraints_of(args), engine="none", prices=args.prices).plan().objective
     except PlanError:
         free = None
     return {"profile": args.engine, "rules": get_engine(args.engine).describe(), "score": served,

@@ -10,6 +10,8 @@ from .common import compute_of, emit, load_model, scenario_of, versions, warn_un
 
 def cost(args) -> int:
     from ..backends.cost import best_layout
+    from ..backends.cost.explain import explain, format_explain
+    from ..backends.cost.prices import provider_for
     from ..backends.measured import MeasuredProvider
     from ..backends.targets import get_target
     from ..ir.printer import format_table
@@ -18,9 +20,10 @@ def cost(args) -> int:
     prog = load_model(args)
     warn_unrunnable_recipe(args.recipe, [args.target])
     target = get_target(args.target)
-    measured = MeasuredProvider(compute=compute) if target.kind == "cpu" else None
+    provider = MeasuredProvider(compute=compute) if target.kind == "cpu" else \
+        provider_for(target, args.prices, args.engine)
     sc = scenario_of(args, prog, recipe=args.recipe, concurrency=args.concurrency)
-    _, r = best_layout(prog, target, sc, measured, engines=True)  # the search's split rule: no unservable layout
+    cm, r = best_layout(prog, target, sc, provider, engines=True)  # the search's split rule: no unservable layout
     s = r.scenario
     gb = 1e9
     rows = [("kind", "count", "weights GB", "state MB/req", "decode ms", "prefill ms")]
@@ -36,7 +39,10 @@ def cost(args) -> int:
          f"{x['user_rate']:.1f}", f"{x['serve_step_ms']:.3f}", x["binding"] or "-") for x in r.layouts]
     priced = sum(not x.get("unservable") for x in r.layouts)
     mtp = (f", MTP drafting {s.mtp_draft} at {s.mtp_acceptance:g} tokens/step" if s.mtp_draft else "")
-    head = (f"{r.target}, scenario {s.name}: {s.input_len} in / {s.output_len} out, context {s.context_len}, "
+    p = r.prices
+    source = (f"priced by {p['provider']}" + (f" ({p['library']}, {p['database']} tables of {p['system']}, "
+                                              f"{p['mode']})" if p["provider"] == "tables" else "") + "\n")
+    head = source + (f"{r.target}, scenario {s.name}: {s.input_len} in / {s.output_len} out, context {s.context_len}, "
             f"rate floor {s.rate_floor:g} tok/s, KV {s.kv_dtype}, weights {s.recipe or 'bf16'}{mtp}\n"
             f"layout {r.layout}" + (" (pinned)" if s.layout else f" (best of {priced}"
             + (f"; {len(r.layouts) - priced} no engine splits the model over" if priced < len(r.layouts) else "")
@@ -58,7 +64,11 @@ def cost(args) -> int:
             format_table(tried)
     if r.infeasible:
         tail += f"infeasible: {r.infeasible}\n"
-    emit(args, r.to_json(), head + table + tail)
+    out = r.to_json()
+    if args.explain:  # where each price came from, at the best layout's batch
+        out["explain"] = explain(cm, max(r.max_batch // cm.layout.replicas, 1))
+        tail += format_explain(out["explain"])
+    emit(args, out, head + table + tail)
     if r.infeasible:  # the figures are printed (and in --json); the exit status says the target is not met
         print(f"puzzlekit cost: infeasible: {r.infeasible}", file=sys.stderr)
         return 1

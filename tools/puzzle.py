@@ -113,7 +113,7 @@ def run_plan(args) -> int:
     c = constraints_of(args)
     if args.sweep:
         return _sweep(args, lib, parent, targets, c)
-    search = Search(lib, parent, targets, args.recipe or "", args.metric, c, engine=args.engine)
+    search = Search(lib, parent, targets, args.recipe or "", args.metric, c, engine=args.engine, prices=args.prices)
     plan = search.plan(args.method, args.alternatives, args.min_distance,
                        alternatives_seconds=args.alternatives_seconds)
     if args.output:
@@ -266,7 +266,7 @@ def _sweep(args, lib, parent, targets, c) -> int:
 
     points = sweep_points(args.sweep)
     search = Search(lib, parent, targets, args.recipe or "", args.metric, dataclasses.replace(c, speedup=points[0]),
-                    engine=args.engine)
+                    engine=args.engine, prices=args.prices)
     rows = []
     for x in points:
         search.c = dataclasses.replace(search.c, speedup=x)

@@ -95,12 +95,8 @@ class AnalyticProvider:
             flops -= b * tokens * op.top_k * 4 * op.expert_width * op.d_ff
             seconds += self._routed(op, precisions, routing, batch * tokens, d)
         elif op.kind in KERNELS:  # the sequence kernel apart from the projections
-            gemm = 2 * b * tokens * sum(math.prod(s) for s in op.params().values() if len(s) == 2)
-            kc, km = (getattr(e, a) for a in KERNELS[op.kind])
-            split = L.kv_shards(op) if op.kind == "attention" else L.tp
-            written = w.state_write * (d.ssm_copies if op.kind == "mamba2" and decode and tokens > 1 else 1)
-            seconds += self._roof(max(flops - gemm, 0.0) / L.tp, (w.state_read + written) / split,
-                                  _sequence_precision(t), kc, km)
+            gemm = _gemm_flops(op, b * tokens)
+            seconds += self.sequence_seconds(op, w, b * tokens, decode, tokens, d)
             flops = min(flops, gemm)
         nbytes = sum(wbytes[k] / L.shards(op, k) for k in dense) + w.act * d.act_bytes / L.tp
         seconds += self._roof(flops / L.tp, nbytes, _math_precision(precisions, {k: w.weights[k] for k in dense}, t),
@@ -109,6 +105,17 @@ class AnalyticProvider:
         if op.is_block and op.kind != "noop":
             seconds += self.collective_seconds(op, b * tokens, d)
         return seconds
+
+    def sequence_seconds(self, op, w, n: int, decode: bool, tokens: int, d: Deployment) -> float:
+        """The sequence kernel of an attention or Mamba block (what is not a projection) over `n` tokens of one
+        attention group, from its work `w`: FLOPs beyond the projections' and the state it reads and writes (a
+        Mamba layer writes d + 1 states when verifying d drafts), at the kernel's own efficiencies."""
+        L = d.layout
+        kc, km = (getattr(self.eff, a) for a in KERNELS[op.kind])
+        split = L.kv_shards(op) if op.kind == "attention" else L.tp
+        written = w.state_write * (d.ssm_copies if op.kind == "mamba2" and decode and tokens > 1 else 1)
+        return self._roof(max(w.flops - _gemm_flops(op, n), 0.0) / L.tp, (w.state_read + written) / split,
+                          _sequence_precision(self.target), kc, km)
 
     def launch(self, decode: bool, d: Deployment) -> float:
         """The floor per kernel: in a captured graph, or (a decode step without CUDA graphs) a host launch each.
@@ -193,6 +200,11 @@ class AnalyticProvider:
             sent = (L.group - 1) / L.group * tokens / L.tp * op.top_k * op.expert_width * d.act_bytes
             out += 2 * (sent / link + e.collective_latency_seconds)
         return out
+
+
+def _gemm_flops(op, n: int) -> float:
+    """The projections' FLOPs of a block over `n` tokens: every matrix parameter once per token."""
+    return 2 * n * sum(math.prod(s) for s in op.params().values() if len(s) == 2)
 
 
 def _sequence_precision(target: Target) -> str:

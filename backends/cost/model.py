@@ -12,8 +12,8 @@ from ...ir import Program
 from ..layout import Layout, shard_class
 from ..measured import MeasuredProvider
 from ..targets import Target, get_target
-from .analytic import AnalyticProvider
 from .precision import BYTES, RecipePrecisions
+from .prices import describe, provider_for
 from .provider import Deployment, Provider
 from .report import CostReport
 from .scenario import Scenario
@@ -37,7 +37,7 @@ class CostModel:
         self.layout = _layout_for(self.target, self.scenario, layout)
         if self.target.kind == "cpu" and provider is None:
             provider = MeasuredProvider()
-        self.provider = provider or AnalyticProvider(self.target)
+        self.provider = provider or provider_for(self.target)
         if self.scenario.mtp_draft and self.provider.measures:
             raise PuzzlekitError("speculative decoding is priced on GPU targets; the measured cpu provider times "
                                  "plain decoding only: drop --mtp, or price a GPU target")
@@ -349,14 +349,16 @@ class CostModel:
                           self.state_bytes_per_request(), self.reserve_bytes(), self.memory_available(),
                           max_req * L.replicas, best * L.replicas, step, self.decode_step_seconds(1), prefill, serve,
                           self.throughput(best, serve) if best else 0.0, binding, headroom, by_kind, infeasible,
-                          str(L), self.tokens_per_step, rate if best else 0.0, self.device_weight_bytes(), state)
+                          str(L), self.tokens_per_step, rate if best else 0.0, self.device_weight_bytes(), state,
+                          prices=describe(self.provider))
 
 
-def shared_provider(target: Target, provider: Provider | None = None) -> Provider | None:
-    """`provider`, else one analytic provider for every layout of a GPU target (its memos are per op and
-    precision, not per layout: a 512-expert MoE's tables are then built once, not once per layout); None for
-    the cpu target, whose measured provider each cost model makes."""
-    return provider or (None if target.kind == "cpu" else AnalyticProvider(target))
+def shared_provider(target: Target, provider: Provider | None = None, prices: str | None = None,
+                    engine: str = "all") -> Provider | None:
+    """`provider`, else one provider for every layout of a GPU target, as `prices` chooses (prices.py; its memos
+    are per op and precision, not per layout: a 512-expert MoE's tables are then built once, not once per
+    layout); None for the cpu target, whose measured provider each cost model makes."""
+    return provider or provider_for(target, prices, engine)
 
 
 def _layout_for(target: Target, s: Scenario, layout) -> Layout:

@@ -37,6 +37,7 @@ class CostReport:
     device_weight_bytes: float = 0.0
     device_state_bytes_per_request: float = 0.0
     layouts: list = field(default_factory=list)  # every layout tried: {"layout", "max_batch", "throughput", ...}
+    prices: dict = field(default_factory=dict)  # what priced it: the provider (and its tables' version and mode)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)

@@ -80,6 +80,7 @@ class Puzzle(ComputePass):
     keep: list[str] = field(default_factory=list)
     uniform: list[str] = field(default_factory=list)
     engine: str = "all"  # the serving engines' rules the child meets (engines.py); none lifts them
+    prices: str = ""  # auto, tables or analytic (backends/cost/prices.py); empty: PUZZLEKIT_PRICES, else auto
     metric: str = "kl"
     method: str = "mip"
     parent: str = ""
@@ -107,7 +108,8 @@ class Puzzle(ComputePass):
             calib, windows = library_windows(st, prog)  # the library's own: calibration, and its scoring set
             scores, made = rescore(lib, prog, ranks, windows, calib, compute)
         search = Search(lib, parent, [(t, self.scenario) for t in self.target], self.recipe, self.metric, c,
-                        scores=scores, fraction=i / n, schedule=self.schedule, engine=self.engine)
+                        scores=scores, fraction=i / n, schedule=self.schedule, engine=self.engine,
+                        prices=self.prices or None)
         plan = search.plan(self.method)
         if later:
             realise_from(prog, lib, search.rows_of(plan), made)

@@ -26,6 +26,7 @@ import numpy as np
 
 from ...backends.cost import CostModel, Scenario, best_layout, get_scenario, layouts_of
 from ...backends.cost.model import shared_provider
+from ...backends.cost.prices import describe
 from ...backends.targets import get_target
 from ...ir import Program
 from ..core import PassError
@@ -46,11 +47,12 @@ class Search:
     def __init__(self, lib: Library, parent: Program, targets: list[tuple], recipe: str = "",
                  metric: str = "kl", constraints: Constraints | None = None, provider=None,
                  scores: dict | None = None, fraction: float = 1.0, schedule: str = "geometric",
-                 engine: str | EngineProfile = DEFAULT_ENGINE):
+                 engine: str | EngineProfile = DEFAULT_ENGINE, prices: str | None = None):
         """`targets`: (target, scenario name or Scenario) pairs. `scores` ({(layer, id): scores}) restricts the
         options to those variants, scored anew (a later round of Iterative Puzzle); `fraction` < 1 moves every
         constraint only that part of the way from the parent's figure to its bound, on a `geometric` or
-        `linear` schedule. `engine` names the profile (engines.py) whose rules the child must meet to be served."""
+        `linear` schedule. `engine` names the profile (engines.py) whose rules the child must meet to be served;
+        its tables price the GPU targets where `prices` (auto, tables, analytic: backends/cost/prices.py) allows."""
         if schedule not in ("geometric", "linear"):
             raise PassError(f"schedule={schedule!r}: use geometric or linear")
         self.lib, self.parent, self.c = lib, parent, constraints or Constraints()
@@ -80,7 +82,8 @@ class Search:
         # over, drafting as its head accepts
         self.recipes, self._unsplit_memo = recipes, {}
         self.models = []
-        providers = [shared_provider(t, provider) for t in hardware]
+        providers = [shared_provider(t, provider, prices, self.engine.name) for t in hardware]
+        self.prices = [describe(p) for p in providers]
         for t, s, provider in zip(hardware, self.scenarios, providers):
             every = layouts_of(t, s, parent)
             why = {str(L): self._no_child_splits(L) for L in every}
@@ -324,7 +327,8 @@ class Search:
                     {k: sol.totals[k] + pr.fixed[k] for k in pr.costs}, pr.parent, pr.bound, counts["total"],
                     counts["active"], sol.objective, self.score_source, sol.status, sol.gap, seconds,
                     b * cm.layout.replicas, layout=str(cm.layout),
-                    layouts=[str(self.models[t][i].layout) for t, (i, _, _) in enumerate(pr.spans)])
+                    layouts=[str(self.models[t][i].layout) for t, (i, _, _) in enumerate(pr.spans)],
+                    prices=self.prices)
 
     def throughput_ratio(self, plan: Plan) -> float:
         """The child's predicted throughput over the parent's on the first target (0 without a speedup target)."""

@@ -50,6 +50,7 @@ class Plan:
     alternatives: list = field(default_factory=list)
     layout: str = ""  # the child's parallel layout on the first target
     layouts: list = field(default_factory=list)  # one per target
+    prices: list = field(default_factory=list)  # per target what priced it (provider, tables' version, database)
 
     def to_json(self) -> dict:
         from dataclasses import asdict
