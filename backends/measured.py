@@ -349,5 +349,10 @@ class MeasuredProvider:
         prompt = torch.randint(0, vocab, (1, prefill_tokens), generator=g)
         return [lambda: m.decode(tok, state), lambda: m.prefill(prompt)]
 
+    @staticmethod
+    def describe() -> dict:
+        """What the prices came from: recorded in plan.json and printed by `cost` and the report."""
+        return {"provider": "measured", "machine": "this machine (cpu)"}
+
     def step_overhead(self) -> float:
         return 0.0

@@ -68,7 +68,8 @@ def main() -> None:
         except PlanError as e:
             print(f"\n{name}: priced in {priced:.1f} s; not reachable with this cost model:\n  {e}")
             continue
-        print(f"\n{name} [{search.prices[0]['provider']}]: priced in {priced:.1f} s, solved in {plan.solve_seconds:.2f} s ({plan.status}, gap "
+        print(f"\n{name} [{search.prices[0]['provider']}]: priced in {priced:.1f} s, solved in "
+              f"{plan.solve_seconds:.2f} s ({plan.status}, gap "
               f"{plan.gap:.2%}, layouts {', '.join(plan.layouts)}, batch {plan.batch})\n"
               f"  child: {describe(search, plan)}")
         for k in plan.predicted:

@@ -58,8 +58,8 @@ def library_model(name, tmp_path, tp, dp, ep, quant):
     return model, EngineHandle(aiconfigurator_core.engine_spec_bincode_from_json(spec), systems_path=db.systems_root)
 
 
-@pytest.mark.parametrize("name,layout,recipe,quant", [(SUPER, "tp8.ep8", "nvfp4", "nvfp4"), (NANO, "tp1", "bf16", "bfloat16"),
-                                                      (DENSE, "tp4", "fp8", "fp8")])
+@pytest.mark.parametrize("name,layout,recipe,quant", [(SUPER, "tp8.ep8", "nvfp4", "nvfp4"),
+                                                      (NANO, "tp1", "bf16", "bfloat16"), (DENSE, "tp4", "fp8", "fp8")])
 def test_per_layer_composition_equals_the_librarys_own_nemotron_h_op_by_op(tmp_path, name, layout, recipe, quant):
     degrees = dict(tp=1, dp=1, ep=1) | {p[:2]: int(p[2:]) for p in layout.split(".")}
     model, handle = library_model(name, tmp_path, degrees["tp"], degrees["dp"], degrees["ep"], quant)

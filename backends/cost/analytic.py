@@ -12,7 +12,7 @@ import numpy as np
 
 from ..targets import Target
 from .precision import BYTES, MATH
-from .provider import Deployment
+from .provider import Deployment, PricedAhead
 
 
 @dataclass(frozen=True)
@@ -45,32 +45,21 @@ class Efficiency:
 KERNELS = {"attention": ("attention_compute", "attention_memory"), "mamba2": ("mamba_compute", "mamba_memory")}
 
 
-class AnalyticProvider:
+class AnalyticProvider(PricedAhead):
     """A roofline per kernel on one device of a layout: GEMMs at the dense (or grouped-GEMM) efficiency,
     sequence kernels (attention, the SSM) at their own; plus launch floors and the layout's collectives."""
-
-    max_batch = 1 << 20
-    measures = False
 
     def __init__(self, target: Target, efficiency: Efficiency | None = None):
         self.target, self.eff = target, efficiency or Efficiency()
         self._moe_memo: dict = {}
         self._expert_memo: dict = {}
 
+    def describe(self) -> dict:
+        """What the prices came from: recorded in plan.json and printed by `cost` and the report."""
+        return {"provider": "analytic", "efficiency": "backends/cost/analytic.py: Efficiency"}
+
     def step_overhead(self) -> float:
         return self.eff.step_overhead_seconds
-
-    def check(self, items) -> None:
-        return None
-
-    def prefetch(self, items) -> None:
-        return None
-
-    def prepare(self, items) -> bool:
-        return False
-
-    def batch_limit(self, ops, context: int) -> int:
-        return self.max_batch
 
     def _roof(self, flops: float, nbytes: float, prec: str, compute: float, memory: float) -> float:
         t = self.target

@@ -46,9 +46,10 @@ def format_explain(ex: dict) -> str:
     head = ", ".join(f"{k} {v}" for k, v in p.items() if not isinstance(v, dict))
     lines = [f"prices: {head}"]
     for phase in ("decode", "prefill"):
-        total = ex[f"{phase}_seconds"]
+        total, rows = ex[f"{phase}_seconds"], ex[phase]
+        overhead = total - sum(r["seconds"] for r in rows)
         lines.append(f"{phase} ({'batch ' + str(ex['batch']) if phase == 'decode' else 'one round'}): "
-                     f"{total * 1e3:.3f} ms, of which step overhead {(total - sum(r['seconds'] for r in ex[phase])) * 1e3:.3f} ms")
-        for r in ex[phase]:
-            lines.append(f"  {r['kind']:<10} {r['part']:<20} {r['seconds'] * 1e3:10.4f} ms  x{r['runs']:<4} {r['source']}")
+                     f"{total * 1e3:.3f} ms, of which step overhead {overhead * 1e3:.3f} ms")
+        lines += [f"  {r['kind']:<10} {r['part']:<20} {r['seconds'] * 1e3:10.4f} ms  x{r['runs']:<4} {r['source']}"
+                  for r in rows]
     return "\n".join(lines) + "\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from ...errors import UsageError
+from ..measured import MeasuredProvider
 from ..targets import Target
 from .analytic import AnalyticProvider
 from .provider import Provider
@@ -52,9 +53,6 @@ def provider_for(target: Target, prices: str | None = None, engine: str = "all")
 
 
 def describe(provider) -> dict:
-    """What a report records of its prices: the provider, and for the tables their version, database and mode."""
-    if hasattr(provider, "describe"):
-        return provider.describe()
-    if isinstance(provider, AnalyticProvider):
-        return {"provider": "analytic", "efficiency": "backends/cost/analytic.py: Efficiency"}
-    return {"provider": "measured", "machine": "this machine (cpu)"}
+    """What a report records of its prices: the provider's own account (for the tables their version, database
+    and mode); None stands for the cpu target's measured provider, which each cost model makes."""
+    return provider.describe() if provider is not None else MeasuredProvider.describe()

@@ -22,6 +22,26 @@ class Deployment:
     graphs: bool = True  # decode replayed from CUDA graphs (the launch floor: Efficiency.launch_seconds)
 
 
+class PricedAhead:
+    """What a provider that prices from numbers it already has (no timing on this machine) does for the parts
+    of the interface that concern timing: nothing to check, fetch or time together, no batch bound of its own."""
+
+    max_batch = 1 << 20
+    measures = False
+
+    def check(self, items) -> None:
+        return None
+
+    def prefetch(self, items) -> None:
+        return None
+
+    def prepare(self, items) -> bool:
+        return False
+
+    def batch_limit(self, ops, context: int) -> int:
+        return self.max_batch
+
+
 class Provider(Protocol):
     """Turns an op's work at a shape into seconds. `CostModel` prices through this interface only."""
 

@@ -23,7 +23,7 @@ from ..layout import Layout
 from ..targets import Target
 from .analytic import AnalyticProvider, Efficiency
 from .precision import BYTES, MATH
-from .provider import Deployment
+from .provider import Deployment, PricedAhead
 
 #: the library version and databases the prices are pinned to (a plan made with them is reproducible)
 LIBRARY_VERSION = "0.12.0"
@@ -89,6 +89,12 @@ def _grid_index(b: int) -> int:
     return bisect_right(_GRID, b) - 1
 
 
+def _call(b: int, tokens: int, context: int, decode: bool) -> tuple:
+    """The tables' (batch_size, s, prefix) for `b` requests of one attention group: in decode, b x tokens
+    queries at the KV length; in prefill, b requests of `tokens` after `context` cached."""
+    return (b * tokens, context + tokens, 0) if decode else (b, tokens, context)
+
+
 #: per op kind, a part's role -> the parameter whose storage format the part's GEMM runs in
 _ROLES = {
     "mamba2": {"in_proj": "mixer.in_proj.weight", "out_proj": "mixer.out_proj.weight"},
@@ -107,11 +113,8 @@ def _formats(op, precisions: dict) -> tuple:
     return tuple((role, precisions.get(name, "bf16")) for role, name in _ROLES.get(op.kind, {}).items())
 
 
-class TablesProvider:
+class TablesProvider(PricedAhead):
     """Prices ops from the measured tables of one GPU and one engine (see the module docstring)."""
-
-    max_batch = 1 << 20
-    measures = False
 
     def __init__(self, target: Target, engine: str = "tensorrt-llm", efficiency: Efficiency | None = None):
         why = missing()
@@ -132,8 +135,8 @@ class TablesProvider:
         self.target, self.engine, self.backend = target, engine, BACKENDS[engine]
         self.db, self.handle = _handle(self.system, self.backend)
         self.own = AnalyticProvider(target, efficiency or TABLE_EFFICIENCY)
-        self._parts: dict = {}  # (op, formats, layout, decode, kv bytes) -> its parts
-        self._priced: dict = {}  # (parts key, batch, s, prefix) -> [(part, seconds, source)]
+        self._parts: dict = {}  # (op, formats, decode, deployment) -> its parts
+        self._priced: dict = {}  # (parts key, batch, s, prefix) -> [(part, seconds, source)], or why not
         self._anchors: dict = {}
         self._expert_prec: dict = {}
         self._shapes = None
@@ -148,18 +151,6 @@ class TablesProvider:
     # -- the Provider interface ---------------------------------------------------------------------------------
     def step_overhead(self) -> float:
         return self.own.step_overhead()
-
-    def check(self, items) -> None:
-        return None
-
-    def prefetch(self, items) -> None:
-        return None
-
-    def prepare(self, items) -> bool:
-        return False
-
-    def batch_limit(self, ops, context: int) -> int:
-        return self.max_batch
 
     def seconds(self, op, precisions, routing, batch, tokens, context, decode, d: Deployment) -> float:
         """The op's time; a decode step's on a curve in the requests per attention group, monotone by
@@ -196,22 +187,21 @@ class TablesProvider:
         if op.kind == "lm_head" and not decode:  # a prefill scores its last position only (as the library)
             batch, tokens, context, decode = b * L.dp, 1, context + tokens - 1, True
             b = L.requests_per_group(batch)
-        # decode: b x tokens queries at the KV length; prefill: b requests of `tokens` after `context` cached
-        call = (b * tokens, context + tokens, 0) if decode else (b, tokens, context)
-        key = (op, _formats(op, precisions), L, decode, d.kv_bytes)
+        key = (op, _formats(op, precisions), decode, d)
         parts = self._parts.get(key)
         if parts is None:
             parts = self._parts[key] = self._build(op, dict(key[1]), L, decode, d)
-        out = self._priced.get((key, *call))
-        if out is None:
+        priced = (key, *_call(b, tokens, context, decode))
+        if priced not in self._priced:
             try:
-                out = self._evaluate(op, parts, decode, *call, d)
-            except self.errors as e:  # a table without the shape and nothing to transfer from: the block is ours
-                why = str(e).split(":", 1)[0]
-                out = [("whole block", self.own.seconds(op, precisions, routing, batch, tokens, context, decode, d),
-                        f"{OURS} (the tables: {why})")]
-            self._priced[(key, *call)] = out
-        if op.kind == "mamba2" and out[0][0] != "whole block":  # the scan / state update and conv: our terms
+                self._priced[priced] = self._evaluate(parts, decode, *priced[1:], d)
+            except self.errors as e:  # a table without the shape and nothing to transfer from: why, once
+                self._priced[priced] = str(e).split(":", 1)[0]
+        out = self._priced[priced]
+        if isinstance(out, str):  # the whole block is puzzlekit's term
+            return [("whole block", self.own.seconds(op, precisions, routing, batch, tokens, context, decode, d),
+                     f"{OURS} (the tables: {out})")]
+        if op.kind == "mamba2":  # the scan / state update and the conv: puzzlekit's terms
             w = op.work(b, tokens, context, decode, d.kv_bytes, d.ssm_bytes, d.act_bytes)
             out = out + [("mamba_conv_ssm", self.own.sequence_seconds(op, w, b * tokens, decode, tokens, d)
                           + 2 * self.own.launch(decode, d), OURS)]
@@ -349,7 +339,7 @@ class TablesProvider:
                                            e.compute, e.memory) + e.launch_seconds)
 
     # -- pricing ------------------------------------------------------------------------------------------------
-    def _evaluate(self, op, parts, decode: bool, batch_size: int, s: int, prefix: int, d: Deployment) -> list:
+    def _evaluate(self, parts, decode: bool, batch_size: int, s: int, prefix: int, d: Deployment) -> list:
         """Each part's seconds and source: the table ops in one call, the experts in their own (their
         provenance says whether the table had the shape)."""
         from aiconfigurator_core.sdk.engine import build_ops_json
@@ -381,16 +371,8 @@ class TablesProvider:
         L = d.layout
         b = L.requests_per_group(batch)
         fmt = precisions.get("layers.0.eh_proj.weight", "bf16")
-        o = self._gemm("eh_proj", op.hidden // L.tp, 2 * op.hidden, fmt, d)
-        if isinstance(o, tuple):
-            out = [("mtp.eh_proj", o[1](b * tokens), OURS)]
-        else:
-            from aiconfigurator_core.sdk.engine import build_ops_json
-
-            call = (b * tokens, context + tokens, 0) if decode else (b, tokens, context)
-            (_, ms, _, src), = self.handle.evaluate_ops_json(build_ops_json([o]), is_context=not decode,
-                                                             batch_size=call[0], s=call[1], prefix=call[2])
-            out = [("mtp.eh_proj", ms / 1e3, _SOURCE.get(src, src))]
+        fusion = [("mtp.eh_proj", self._gemm("eh_proj", op.hidden // L.tp, 2 * op.hidden, fmt, d))]
+        out = self._evaluate(fusion, decode, *_call(b, tokens, context, decode), d)
         for i, blk in enumerate(op.blocks):
             sub = {k.split(".", 2)[2]: v for k, v in precisions.items() if k.startswith(f"layers.{i}.")}
             out += [(f"mtp.{name}", s, src) for name, s, src in
