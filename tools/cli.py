@@ -14,6 +14,7 @@ from . import deploy, program, text
 from .common import (MAX_TOKENS, OPSETS, add_compute_arguments, add_text_arguments, add_workload_arguments,
                      check_outputs, input_paths, nonneg_float, number, positive_float, positive_int, token_count)
 from .compress import add_parsers as add_compress_parsers
+from .estimate import add_estimate_arguments
 from .puzzle import EXTENDED_HELP, add_plan_parser
 from .puzzle import add_parser as add_library_parser
 
@@ -40,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--print-ir-after", action="store_true", help="print the IR after every pass (stderr)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     r.add_argument("--extended", action="store_true", help=EXTENDED_HELP)
+    add_estimate_arguments(r)
     r.set_defaults(run=program.run)
 
     t = sub.add_parser("train", help="train the default hybrid architecture on text (resumable): byte-level, or in "

@@ -146,6 +146,8 @@ def compress(args, progress: bool = True) -> dict:
     src = model_path(args.model).resolve()
     if out.resolve() == src or src in out.resolve().parents or out.resolve() in src.parents:
         raise PuzzlekitError(f"-o {out} would write into or around the input model {src}; choose another directory")
+    if _check_before_run(args, src, out):
+        return {}
     parent, corpus = _parent(args, src)
     from ..passes.puzzle.engines import get_engine
 
@@ -155,6 +157,25 @@ def compress(args, progress: bool = True) -> dict:
     args.scenario = _workload(args, out)
     with _pinned_cost_table(args, out):
         return _run(args, out, parent, library, progress)
+
+
+def _check_before_run(args, src: Path, out: Path) -> bool:
+    """The estimate of every stage from the parent's config and the options (tools/estimate.py): printed with
+    --estimate (True: nothing more to do), otherwise a stage that cannot fit refuses the run before any work."""
+    from .. import ir
+    from ..errors import read_text
+    from ..passes import parse_pipeline, resolve_pipeline
+    from ..passes.pipeline import PIPELINES_DIR
+    from .estimate import check_before_run
+
+    library = Path(args.library) if args.library else out / "library"
+    template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
+    parent = ir.load(src)
+    text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
+    passes = head_work(parse_pipeline(resolve_pipeline(text)), parent)
+    if args.library:  # an existing library: no library stage to run
+        passes = [p for p in passes if getattr(p, "pass_name", "") != "library"]
+    return check_before_run(args, passes, parent)
 
 
 def _parent(args, src: Path):
@@ -264,6 +285,8 @@ def run_compress(args) -> int:
     from .common import emit
 
     s = compress(args, progress=not args.json and os.isatty(2))
+    if not s:  # --estimate: printed
+        return 0
     plan = s["reports"]["puzzle"][-1]
     dep = json.loads((Path(args.output) / "plan.json").read_text())["deployment"]
     lines = [f"{'resumed after pass ' + str(s['resumed_at_pass']) + ', ' if s['resumed_at_pass'] else ''}"
@@ -330,6 +353,7 @@ def run_report(args) -> int:
 
 def add_parsers(sub, model_help: str, positive_int, positive_float) -> tuple:
     from .common import add_workload_arguments, number
+    from .estimate import add_estimate_arguments
 
     c = sub.add_parser("compress", help="compress a model for a deployment target: search, distill, quantise, "
                                         "export, report (resumable)")
@@ -340,6 +364,7 @@ def add_parsers(sub, model_help: str, positive_int, positive_float) -> tuple:
     add_constraint_arguments(c, positive_int, positive_float)
     c.add_argument("--extended", action="store_true", help=EXTENDED_HELP)
     add_workload_arguments(c, mtp=False)
+    add_estimate_arguments(c)
     c.add_argument("--cost-table", metavar="FILE", help="the cpu target's op timings from an earlier run "
                                                         "(OUT/cost-table.json), so that it gives the same child")
     c.add_argument("--iterative", type=positive_int, default=1, help="rounds of search + distillation (Iterative "

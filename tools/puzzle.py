@@ -41,8 +41,12 @@ def run_library(args) -> int:
     from ..passes.puzzle import LibrarySettings, build_library
     from .common import compute_of, emit, load_model
 
+    from .estimate import check_before_run, library_passes
+
     compute = compute_of(args)
     prog = load_model(args)
+    if check_before_run(args, library_passes(args), prog):  # --estimate: printed
+        return 0
     if not prog.is_meta:  # a weightless library (a bare config) reads no text: no tokenizer needed
         from ..text.data import corpus_for, require_windows
 
@@ -63,6 +67,8 @@ def run_library(args) -> int:
 
 
 def add_parser(sub, model_help: str, positive_int, positive_float):
+    from .estimate import add_estimate_arguments
+
     p = sub.add_parser("library", help="build a model's block library: variants per layer, BLD, scores")
     p.add_argument("model", nargs="?", help=model_help)
     p.add_argument("--output", "-o", required=True, help="library directory (the same command again resumes)")
@@ -75,6 +81,7 @@ def add_parser(sub, model_help: str, positive_int, positive_float):
     p.add_argument("--seq", type=positive_int, default=256, help="tokens per window")
     p.add_argument("--data", nargs="*", help="text files, directories, .jsonl, .parquet, a datasets directory or a hub "
                                              "dataset (default: the Python stdlib)")
+    add_estimate_arguments(p)
     p.set_defaults(run=run_library)
     return p
 

@@ -1,0 +1,80 @@
+"""`--estimate` against measurement: each stage's estimated peak memory and time beside what the same command
+measures in a fresh process (/usr/bin/time -v), on the Super-counts miniature (benchmarks/counts.py's commands)
+and on the scale benchmark's 1.95 GB checkpoint (`library` under `--max-memory 1GB`). Target: peak within 25%,
+time within 2x.
+
+Run: python benchmarks/estimate.py [--keep DIR] [--stages library distill quantize-fp8 mtp-check scale-library]
+                                   [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import counts  # noqa: E402
+import scale  # noqa: E402
+
+STAGES = ("library", "distill", "quantize-fp8", "quantize-nvfp4", "mtp-check", "scale-library")
+
+
+def estimated(cmd: list[str]) -> dict:
+    p = subprocess.run([*cmd, "--estimate", "--json"], capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"{' '.join(cmd)} --estimate failed: {p.stderr[-500:]}")
+    e = json.loads(p.stdout)
+    return {"peak_gb": max(s["peak_memory_bytes"] for s in e["stages"]) / 1e9, "seconds": e["seconds"],
+            "stages": [s["stage"] for s in e["stages"]]}
+
+
+def scale_checkpoint(work: Path) -> Path:
+    out = work / "scale-2gb"
+    if not (out / "config.json").exists():
+        subprocess.run([sys.executable, "-c", scale.WRITER, json.dumps(scale.config(28)), str(out)], check=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keep", type=Path, help="a directory to build in and keep (reused when it holds the models)")
+    ap.add_argument("--stages", nargs="*", default=list(STAGES), choices=STAGES)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    work = a.keep or Path(tempfile.mkdtemp(prefix="estimate-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = work / "super-88x512"
+    if not (ckpt / "config.json").exists():
+        counts.build(ckpt)
+    data = work / "corpus.jsonl"
+    if not data.exists():
+        counts.corpus(data)
+    (work / "out").mkdir(exist_ok=True)
+    cmds = counts.commands(ckpt, work / "out", data)
+    cli = [sys.executable, "-m", "puzzlekit.tools"]
+    if "scale-library" in a.stages:
+        big = scale_checkpoint(work)
+        cmds["scale-library"] = [*cli, "library", str(big), "-o", str(work / "out" / "scale-lib"), "--max-memory",
+                                 "1GB", "--bld-tokens", "4096", "--calib-windows", "8", "--score-windows", "4",
+                                 "--seq", "128"]
+    rows = []
+    print(f"{'stage':<16} {'est. peak':>10} {'peak':>8} {'ratio':>6} {'est. time':>10} {'wall':>8} {'ratio':>6}")
+    for name in a.stages:
+        est = estimated(cmds[name])
+        got = counts.timed(cmds[name])
+        row = {"stage": name, "estimate": est, "measured": got}
+        rows.append(row)
+        if "error" in got:
+            print(f"{name:<16} failed: {got['error']}")
+            continue
+        print(f"{name:<16} {est['peak_gb']:>8.2f}GB {got['peak_gb']:>6.2f}GB {est['peak_gb'] / got['peak_gb']:>6.2f} "
+              f"{est['seconds']:>9.0f}s {got['wall_s']:>7.0f}s {est['seconds'] / got['wall_s']:>6.2f}", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""The hardware an estimate is for: `--hardware h100:8`, `b200:16`, `cpu` (or, left out, what this process sees),
+as processes with their memory and their rates.
+
+A GPU's memory and datasheet peaks are the cost model's own (backends/targets.py); a training or inference step
+reaches `GPU_EFFICIENCY` of the dense bf16 peak and of the memory bandwidth (stated in every estimate). On the CPU
+the rates are measured on this machine: each distinct block is run (forward, or forward and backward) at the
+stage's own batch and sequence with random weights of its shapes; a block too large to run here is priced at
+the measured rate of a float32 matrix product.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+#: the share of a GPU's dense bf16 peak, and of its memory bandwidth, a step of this kind reaches: training
+#: frameworks report 0.3-0.5 model FLOP utilisation for models of this kind; stated with every GPU estimate
+GPU_EFFICIENCY = 0.4
+#: a CUDA context, cuBLAS workspaces and the allocator's slack, per process
+GPU_RESERVED = int(1.5e9)
+#: blocks with more parameters than this are not run on the CPU to time them (their matrix products are)
+TIMED_PARAMS = 64_000_000
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the stages run on: `processes` processes (torchrun ranks), each with `memory_bytes` (a GPU's, or on
+    the CPU the host memory available to each) and, on GPUs, `target` for the rates."""
+
+    name: str
+    kind: str  # "gpu" or "cpu"
+    processes: int
+    memory_bytes: int
+    target: object = None  # backends.targets.Target on GPUs
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of the forward's precision: bf16 autocast on GPUs, float32 on the CPU (the commands' default)."""
+        return 2 if self.kind == "gpu" else 4
+
+    def describe(self) -> dict:
+        out = {"name": self.name, "kind": self.kind, "processes": self.processes, "memory_bytes": self.memory_bytes}
+        if self.kind == "gpu":
+            out |= {"bf16_flops": self.target.peak_flops["bf16"], "bandwidth": self.target.bandwidth,
+                    "efficiency": GPU_EFFICIENCY, "reserved_bytes": GPU_RESERVED}
+        else:
+            out["rates"] = "measured on this machine"
+        return out
+
+
+def parse_hardware(text: str | None, device: str = "auto") -> Hardware:
+    """`NAME[:COUNT]` (h100, h200, b200, a target file's GPU, or cpu; COUNT processes, one per GPU), or with no
+    text the visible GPUs (under torchrun, WORLD_SIZE processes) or this CPU."""
+    if not text:
+        return _visible(device)
+    m = re.fullmatch(r"\s*([^:]+?)\s*(?::\s*(\d+))?\s*", text)
+    if not m or (m.group(2) is not None and int(m.group(2)) < 1):
+        raise UsageError(f"--hardware {text!r}: write it as NAME:COUNT, e.g. h100:8, b200:16 or cpu")
+    name, count = m.group(1).lower(), int(m.group(2) or 1)
+    if name == "cpu":
+        return _cpu(count)
+    from ..backends.targets import TARGETS, get_target
+    from ..errors import PuzzlekitError
+
+    try:
+        target = get_target(name)
+    except PuzzlekitError:
+        gpus = sorted(n for n, t in TARGETS.items() if t.kind == "gpu" and t.devices == 1)
+        raise UsageError(f"--hardware {text!r}: unknown GPU {name!r}; known: {', '.join(gpus)} (or a target file), "
+                         "or cpu") from None
+    if target.kind != "gpu":
+        return _cpu(count)
+    if target.devices > 1:  # "8xb200" names a node: its GPUs are the processes
+        count, target = count * target.devices, dataclasses.replace(target, name=target.name.split("x", 1)[1],
+                                                                   devices=1)
+    return Hardware(f"{count} x {target.name}", "gpu", count, int(target.memory_bytes), target)
+
+
+def _cpu(processes: int) -> Hardware:
+    """This machine: the memory available now, shared by the processes (`--max-memory` is what the streamed stages
+    keep within, not what the machine has)."""
+    from ..memory import available
+
+    return Hardware("cpu" if processes == 1 else f"cpu x {processes} processes", "cpu", processes,
+                    available() // processes)
+
+
+def _visible(device: str) -> Hardware:
+    """The GPUs this process sees (one per torchrun rank), or the CPU."""
+    import torch
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if device == "cpu" or not torch.cuda.is_available():
+        return _cpu(world)
+    from ..backends.targets import TARGETS, Target
+
+    props = torch.cuda.get_device_properties(0)
+    name = props.name.lower()
+    known = next((t for n, t in TARGETS.items() if t.kind == "gpu" and t.devices == 1 and n in name), None)
+    target = known or Target(name, "gpu", props.total_memory, 2e12, {"bf16": 5e14})
+    return Hardware(f"{world} x {name}", "gpu", world, int(props.total_memory), target)
+
+
+class Rates:
+    """Seconds of one process's work: `forward(op, rows, seq)` and `train(op, rows, seq)` (forward and backward)
+    of a block or of the LM head, and `elements(n)`, an elementwise pass over n weights (quantising)."""
+
+    def __init__(self, hw: Hardware):
+        self.hw = hw
+        self._timed: dict = {}
+        self._gemm: float | None = None
+
+    def forward(self, op, rows: int, seq: int) -> float:
+        return self._seconds(op, rows, seq, False)
+
+    def train(self, op, rows: int, seq: int) -> float:
+        return self._seconds(op, rows, seq, True)
+
+    def elements(self, n: float) -> float:
+        """Reading, scaling and writing n weights once (memory-bound)."""
+        bw = self.hw.target.bandwidth * GPU_EFFICIENCY if self.hw.kind == "gpu" else self._cpu_bandwidth()
+        return 12 * n / bw
+
+    def _seconds(self, op, rows: int, seq: int, train: bool) -> float:
+        flops = _flops(op, rows, seq) * (3 if train else 1)
+        if self.hw.kind == "gpu":
+            t = self.hw.target
+            weights = op.param_count() * 2 * (3 if train else 1)
+            return max(flops / (t.peak_flops["bf16"] * GPU_EFFICIENCY), weights / (t.bandwidth * GPU_EFFICIENCY))
+        if op.param_count() > TIMED_PARAMS or op.kind not in _TIMED:
+            return flops / self._gemm_rate()
+        key = (op, rows, seq, train)
+        if key not in self._timed:
+            self._timed[key] = _time_block(op, rows, seq, train)
+        return self._timed[key]
+
+    def _gemm_rate(self) -> float:
+        if self._gemm is None:
+            import torch
+
+            a, b = torch.randn(512, 1024), torch.randn(1024, 1024)
+            self._gemm = 2 * 512 * 1024 * 1024 / _least_seconds(lambda: a @ b, 5)
+        return self._gemm
+
+    def _cpu_bandwidth(self) -> float:
+        import torch
+
+        t = torch.randn(4_000_000)
+        return 8 * t.numel() / _least_seconds(lambda: t.mul(2.0), 5)
+
+
+_TIMED = {"mamba2", "moe", "attention", "mlp", "linear", "noop"}
+
+
+def _flops(op, rows: int, seq: int) -> float:
+    if op.kind == "lm_head":
+        return 2 * rows * seq * op.hidden * op.vocab
+    w = op.work(rows, seq, 0, False, 2, 4, 2)
+    return w.flops
+
+
+def _least_seconds(run, repeats: int) -> float:
+    """The least of `repeats` timed runs after two untimed: the work's own time, whatever else the machine does."""
+    run()
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _time_block(op, rows: int, seq: int, train: bool) -> float:
+    """One block at (rows, seq) with random weights of its shapes, as the stages run it (float32 on the CPU)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    m = op.build()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    x = torch.randn(rows, seq, op.hidden, generator=g)
+    if train:
+        x.requires_grad_(True)
+
+        def run():
+            m(x)[0].square().mean().backward()
+        return _least_seconds(run, 3)
+    with torch.no_grad():
+        return _least_seconds(lambda: m(x), 3)

@@ -1,0 +1,254 @@
+"""What each pass of a pipeline needs on each process: peak memory by part, seconds, and whether it fits.
+
+Counted from the IR and the passes' own options, as the stages run them: the library's sweep, variants, BLD and
+replace-one-block scoring (`passes/puzzle/build.py`), distillation's student, teacher, optimizer state and
+activations (`passes/distill`), the MTP check's speculative decoding, quantize's calibration and copies, all
+within the memory budget's rules (`backends/torch/stream.py`: kept layers take half the budget, tapes and new
+weights a quarter each). Stages after the search are priced at the parent's size: the child is at most that.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .activations import logits_bytes, saved_bytes
+from .hardware import GPU_RESERVED, Hardware, Rates
+
+#: a process's own resident memory on the host: the interpreter, torch, puzzlekit, tokenizers (measured: 0.26 GB)
+HOST_BASE = int(0.26e9)
+#: the search: seconds per trunk layer (Super's plan on 8xB200: 10.7 s for 88 layers) and a start
+SEARCH_SECONDS = (2.0, 0.1)
+#: verification steps of the MTP check: new tokens / this acceptance (tokens per step) when the parent records none
+ACCEPTANCE_GUESS = 1.5
+
+
+@dataclass
+class Stage:
+    """One stage on one process: `memory` by part (bytes), `seconds` (wall, the slowest process), and the ways
+    to make it fit when it does not."""
+
+    name: str
+    memory: dict
+    seconds: float
+    capacity: int
+    fixes: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    host: dict = field(default_factory=dict)  # on GPUs, what the process holds in host memory instead
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return int(sum(self.memory.values()))
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.capacity
+
+    def as_json(self) -> dict:
+        return {"stage": self.name, "peak_memory_bytes": self.peak_memory_bytes, "seconds": self.seconds,
+                "fits": self.fits, "capacity_bytes": self.capacity,
+                "memory": {k: int(v) for k, v in self.memory.items() if v}, "notes": self.notes,
+                "host_memory": {k: int(v) for k, v in self.host.items() if v},
+                "fixes": [] if self.fits else self.fixes}
+
+
+@dataclass
+class Context:
+    """The model, the hardware and the budget every stage is estimated under."""
+
+    prog: object  # the parent Program (weights or a config's meta program)
+    hw: Hardware
+    budget: int  # host bytes for weights and activations (--max-memory, or half of what is available)
+    rates: Rates = None
+
+    def __post_init__(self):
+        self.rates = self.rates or Rates(self.hw)
+
+    @property
+    def device(self) -> str:
+        return self.hw.kind
+
+    @property
+    def base(self) -> int:
+        return GPU_RESERVED if self.hw.kind == "gpu" else HOST_BASE
+
+    def params(self) -> int:
+        c = self.prog.param_counts()
+        return c["total"] + c["mtp_total"]
+
+    def blocks(self) -> list:
+        return [n.op for n in self.prog.blocks()]
+
+    def head(self):
+        return next(n.op for n in self.prog.nodes if n.op.kind == "lm_head")
+
+    def mtp(self):
+        return next((n.op for n in self.prog.nodes if n.op.kind == "mtp"), None)
+
+    def kept(self, weights: float, work: float = 0.0) -> float:
+        """Weights a stream keeps beside `work`: half the budget (on a GPU at most half its memory)."""
+        room = self.budget / 2 if self.hw.kind == "cpu" else min(self.budget / 2, self.hw.memory_bytes / 2)
+        return min(weights, max(0.0, room - work))
+
+    def forward(self, rows: int, seq: int, ops=None) -> float:
+        ops = self.blocks() if ops is None else ops
+        return sum(self.rates.forward(op, rows, seq) for op in ops)
+
+    def stage(self, name: str, memory: dict, seconds: float, fixes=(), notes=(), host: dict | None = None) -> Stage:
+        """`host`: parts held in host memory (tapes, copies being written): on the CPU they are the same memory."""
+        host = host or {}
+        if self.hw.kind == "cpu":
+            memory, host = memory | host, {}
+        return Stage(name, {"process": self.base} | memory, seconds, self.hw.memory_bytes, list(fixes), list(notes),
+                     host)
+
+
+def _batches(n: int, batch: int) -> int:
+    return max(1, math.ceil(n / batch))
+
+
+# -- the library ---------------------------------------------------------------------------------------------------
+def library(ctx: Context, p) -> Stage:
+    """`library{...}` / `puzzlekit library`: rank 0 sweeps the parent over both splits, then each process trains and
+    scores its share of the layers' variants."""
+    from ..passes.puzzle.grid import load_grid, variants
+    from ..passes.puzzle.library import variant_spec
+
+    grid = load_grid(p.grid or None)
+    seq, hidden = p.seq, ctx.blocks()[0].hidden
+    calib, score = p.calib_windows * seq, p.score_windows * seq
+    weights = 4.0 * sum(op.param_count() for op in ctx.blocks())
+    # the sweep: every layer over the calibration (batch 4, float32) and held-out (batch 8) windows, tapes kept
+    c4, s8 = min(4, p.calib_windows), min(8, p.score_windows)  # rows per batch, as the build batches them
+    sweep_s = ctx.forward(c4, seq) * _batches(p.calib_windows, 4) + ctx.forward(s8, seq) * _batches(p.score_windows, 8)
+    tapes = min(2 * 4.0 * (calib + score) * hidden, ctx.budget / 4)
+    layers, work_peak, rows_s = ctx.prog.blocks(), 0.0, [0.0] * ctx.hw.processes
+    tail = [ctx.rates.forward(op, s8, seq) for op in ctx.blocks()]
+    head = ctx.rates.forward(ctx.head(), s8, seq)
+    bld_steps = max(1, math.ceil(p.bld_tokens / (4 * seq)))
+    for i, node in enumerate(layers):
+        vs = variants(node.op, grid, node.path)
+        specs = [variant_spec(node.op, v) for v in vs]
+        sizes = [4.0 * s.param_count() for s in specs]
+        trained = [s for v, s in zip(vs, sizes) if v.steps]
+        work = sum(sizes) + 4.0 * node.op.param_count() + 4 * max(trained, default=0.0)
+        run = [s for v, s in zip(vs, specs) if v.steps or v.replacement]
+        acts = 8.0 * (calib + score) * hidden + 4.0 * (1 + len(run)) * score * hidden
+        acts += max((saved_bytes(s, 4, seq, ctx.device) for v, s in zip(vs, specs) if v.steps), default=0.0)
+        work_peak = max(work_peak, work + acts)
+        t = sum(2 * ctx.rates.forward(s, s8, seq) * _batches(p.score_windows, 8) for s in specs)
+        t += sum(ctx.rates.train(s, 4, seq) * bld_steps for v, s in zip(vs, specs) if v.steps)
+        t += len(run) * (sum(tail[i + 1:]) + head) * _batches(p.score_windows, 8)
+        rows_s[i % ctx.hw.processes] += t
+    rows_phase = ctx.kept(weights, work_peak) + work_peak > ctx.kept(weights) + (tapes if ctx.device == "cpu" else 0)
+    fixes = ["fewer --calib-windows / --score-windows or a shorter --seq"]
+    if work_peak + ctx.base > ctx.hw.memory_bytes:
+        fixes.insert(0, "a grid with fewer or smaller variants per layer (--grid): a layer's variants are held "
+                        "together until scored, in float32")
+    else:
+        fixes.insert(0, "a smaller --max-memory (layers are then read again as they are needed)")
+    return ctx.stage("library", {"weights (kept layers)": ctx.kept(weights, work_peak if rows_phase else 0),
+                                 "layer work and activations": work_peak if rows_phase or ctx.device == "gpu" else 0},
+                     sweep_s + max(rows_s), fixes,
+                     notes=[f"{len(layers)} layers; the sweep on rank 0, the layers' variants shared over "
+                            f"{ctx.hw.processes} process(es)"],
+                     host={"the sweep's tapes": tapes if not rows_phase else 0})
+
+
+# -- the search ------------------------------------------------------------------------------------------------------
+def puzzle(ctx: Context, p) -> Stage:
+    """The search and the child's realisation from the library (weights read lazily from its files)."""
+    start, per_layer = SEARCH_SECONDS
+    return ctx.stage("puzzle", {}, start + per_layer * len(ctx.blocks()),
+                     notes=["the search runs on the host; the child's weights are read from the library when used"])
+
+
+# -- distillation ----------------------------------------------------------------------------------------------------
+def distill(ctx: Context, p) -> Stage:
+    """Student (master weights, gradients, AdamW's moments), teacher (or its stored top-k), the activations of one
+    micro-batch and its logits, per process."""
+    n, world = ctx.params(), ctx.hw.processes
+    fsdp = p.shard == "fsdp" and world > 1
+    share = world if fsdp else 1
+    rows = max(1, math.ceil(p.batch / world / p.accumulate))
+    blocks = ctx.blocks() + ([ctx.mtp()] if ctx.mtp() else [])
+    largest = max(op.param_count() for op in blocks)
+    gathered = 2 * largest * ctx.hw.compute_bytes if fsdp else 0  # a block gathered, the next prefetched
+    trainable = ctx.mtp().param_count() if p.head_only and ctx.mtp() else n
+    student = 4.0 * n / share + 12.0 * trainable / share
+    teacher_bytes = 2 if ctx.hw.kind == "gpu" else 4  # frozen matmul weights in the compute dtype on a GPU
+    teacher = 0.0 if p.teacher_logits else teacher_bytes * n / share + gathered
+    saved = [saved_bytes(op, rows, p.seq, ctx.device) for op in blocks]
+    if p.checkpointing:  # block inputs, and one block's activations recomputed at a time
+        acts = 4.0 * rows * p.seq * blocks[0].hidden * len(blocks) + max(saved)
+    else:
+        acts = sum(saved)
+    vocab = ctx.head().vocab
+    copies = (3 + (2 if not p.teacher_logits else 0)) * (2 if ctx.mtp() else 1)
+    memory = {"student (weights, gradients, AdamW)": student + gathered, "teacher": teacher,
+              "activations": acts, "logits": logits_bytes(vocab, rows, p.seq, copies)}
+    # time: every step trains the student on each micro-batch and runs the teacher over it
+    step = sum(ctx.rates.train(op, rows, p.seq) for op in blocks) + ctx.rates.train(ctx.head(), rows, p.seq)
+    if not p.teacher_logits:
+        step += ctx.forward(rows, p.seq, blocks) + ctx.rates.forward(ctx.head(), rows, p.seq)
+    if p.checkpointing:
+        step += ctx.forward(rows, p.seq, blocks)
+    step *= p.accumulate
+    if ctx.hw.kind == "gpu" and world > 1:  # gradients reduced (ddp: all-reduce; fsdp: reduce-scatter + gather)
+        step += 2 * 4.0 * n * (world - 1) / world / (ctx.hw.target.interconnect_bandwidth or 1e11)
+    evals = p.steps // p.eval_every + 1
+    e8 = min(8, p.eval_windows)
+    eval_s = evals * _batches(p.eval_windows, 8) * 2 * (ctx.forward(e8, p.seq, blocks)
+                                                        + ctx.rates.forward(ctx.head(), e8, p.seq))
+    fixes = []
+    if not fsdp:
+        fixes.append("shard=fsdp under torchrun: parameters, gradients and optimizer state divided by the processes")
+    states = 4.0 * n + 12.0 * trainable + (0.0 if p.teacher_logits else teacher_bytes * n)
+    room = ctx.hw.memory_bytes - ctx.base - min(acts, 4.0 * rows * p.seq * blocks[0].hidden * len(blocks)
+                                                + max(saved)) - 2 * gathered
+    need = math.ceil(states / room) if room > 0 else 0
+    fixes.append(f"more {'GPUs' if ctx.hw.kind == 'gpu' else 'processes'} under torchrun: with shard=fsdp and "
+                 f"checkpointing=true, at least {need} for the weights, optimizer state and teacher"
+                 if need else "GPUs with more memory: one block's activations alone do not fit")
+    if not p.checkpointing:
+        fixes.append("checkpointing=true: block activations recomputed in the backward")
+    if not p.teacher_logits:
+        fixes.append("teacher_logits=DIR (stored top-k logits: no teacher in memory; cos=0, mtp=0)")
+    fixes.append(f"a smaller batch per process (accumulate=N, or batch below {p.batch}) or a shorter seq "
+                 f"(now {p.seq})")
+    name = "distill (MTP head)" if p.head_only else "distill"
+    return ctx.stage(name, memory, p.steps * step + eval_s, fixes,
+                     [f"{rows} row(s) of {p.seq} tokens per micro-batch per process; "
+                      f"{'fsdp' if fsdp else 'replicated (ddp)'} over {world} process(es)"])
+
+
+# -- the MTP check ---------------------------------------------------------------------------------------------------
+def mtp_check(ctx: Context, p) -> Stage:
+    """Speculative decoding of the model and its teacher: each prompt read once, then verification steps of
+    drafts + 1 tokens (and a re-read of the kept ones after a rejection)."""
+    if not ctx.mtp():
+        return ctx.stage("mtp-check", {}, 0.0, notes=["no MTP head: nothing to check"])
+    weights = 4.0 * ctx.params()
+    acceptance = (ctx.prog.meta.get("provenance", {}).get("mtp_acceptance", {}) or {}).get("length") \
+        or ACCEPTANCE_GUESS
+    steps = p.new_tokens / acceptance
+    one = ctx.forward(1, p.prompt_len) + steps * (2 * ctx.forward(1, p.drafts + 1)
+                                                 + p.drafts * ctx.rates.forward(ctx.mtp(), 1, 1))
+    return ctx.stage("mtp-check", {"weights (kept layers)": ctx.kept(2 * weights)}, 2 * p.prompts * one,
+                     notes=[f"{steps:.0f} verification steps per prompt (acceptance {acceptance:g} tokens per step)"])
+
+
+# -- quantisation ----------------------------------------------------------------------------------------------------
+def quantize(ctx: Context, p) -> Stage:
+    """Calibration over `samples` windows (streamed), the quantised copy (spilled past a quarter of the budget)
+    and the checkpoint's shards (at most a quarter of the budget each)."""
+    n = ctx.params()
+    fp4 = "nvfp4" in p.recipe or "fp4" in p.recipe
+    quantized = n * (0.5 + 1 / 16 if fp4 else 1.0)
+    weights = 4.0 * n
+    host = {"quantised copy": min(quantized, ctx.budget / 4), "shard being written": min(quantized, ctx.budget / 4)}
+    seconds = ctx.forward(8, p.seq) * _batches(p.samples, 8) + ctx.rates.elements(n)
+    return ctx.stage("quantize", {"weights (kept layers)": ctx.kept(weights)}, seconds, ["a smaller --max-memory"],
+                     host=host)
+
+
+ESTIMATORS = {"library": library, "puzzle": puzzle, "distill": distill, "mtp-check": mtp_check, "quantize": quantize}

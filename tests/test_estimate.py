@@ -1,0 +1,152 @@
+"""`--estimate` and the check before a run: the activation model against what autograd keeps, the training
+state against the optimizer's own tensors, Super's stages on GPUs from its config alone, and refusals that name
+the stage and the fixes before any work."""
+import json
+
+import pytest
+import torch
+
+from puzzlekit.estimate.activations import saved_floats
+from puzzlekit.ir.ops import MLP, Attention, Mamba2, MoE
+from puzzlekit.tools.cli import main
+
+SUPER = "nemotron-3-super-120b-a12b"
+
+
+def cli(capsys, *args):
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    return code, out.out, out.err
+
+
+def autograd_floats(op, rows: int, seq: int) -> float:
+    """Floats per token the block's forward keeps for its backward (parameters apart), as autograd reports them."""
+    torch.manual_seed(0)
+    m = op.build()
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    kept = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            kept[s.data_ptr()] = s.nbytes()
+        return t
+
+    x = torch.randn(rows, seq, op.hidden, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(x)
+    return sum(kept.values()) / 4 / (rows * seq)
+
+
+# shapes unlike the ones the coefficients were fitted on (estimate/activations.py)
+@pytest.mark.parametrize("op", [Mamba2(192, 24, 16, 32, 3, 4, 128), Mamba2(64, 48, 8, 16, 4, 4, 128),
+                                MoE(160, 96, 7, 40, 80, 40, 1.0, True, 1e-5), MoE(96, 32, 4, 96, 0, 0, 1.0, True, 1e-5),
+                                Attention(160, 10, 2, 16, 1e-5), MLP(160, 320)], ids=lambda op: op.kind)
+def test_activation_model_matches_what_autograd_keeps(op):
+    got, est = autograd_floats(op, 3, 96), saved_floats(op, 96, "cpu")
+    assert est == pytest.approx(got, rel=0.10)
+
+
+def test_training_state_is_what_adamw_holds():
+    """The student's part: float32 weights, gradients and AdamW's two moments, 16 bytes a parameter."""
+    from puzzlekit.estimate import estimate, parse_hardware
+    from puzzlekit.passes.core import PASSES
+    from puzzlekit.tools.default_model import model_path
+    from puzzlekit import ir
+
+    prog = ir.load(model_path(None))
+    est = estimate([PASSES["distill"](teacher_logits="x", cos=0, mtp=0)], prog, parse_hardware("cpu"), 2**32,
+                   rates=_Free())
+    model = prog_module(prog)
+    opt = torch.optim.AdamW(model.parameters())
+    out = model(torch.zeros(1, 4, dtype=torch.long))
+    sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()  # the trunk and the MTP head
+    opt.step()
+    held = sum(p.nbytes + p.grad.nbytes for p in model.parameters())
+    held += sum(t.nbytes for s in opt.state.values() for t in s.values() if t.dim())
+    assert est.stages[0].memory["student (weights, gradients, AdamW)"] == pytest.approx(held, rel=1e-3)
+
+
+def prog_module(prog):
+    from puzzlekit.backends.torch import materialize
+
+    return materialize(prog)
+
+
+class _Free:
+    def forward(self, op, rows, seq):
+        return 0.0
+
+    train = forward
+
+    def elements(self, n):
+        return 0.0
+
+
+def test_super_on_eight_h100s_from_its_config(capsys, tmp_path):
+    code, out, _ = cli(capsys, "compress", SUPER, "--estimate", "--hardware", "h100:8", "--target", "8xb200",
+                       "--speedup", "2", "-o", tmp_path / "run", "--json")
+    assert code == 0 and not (tmp_path / "run").exists()
+    e = json.loads(out)
+    names = [s["stage"] for s in e["stages"]]
+    assert names == ["library", "puzzle", "distill", "mtp-check", "distill (MTP head)", "mtp-check", "quantize"]
+    assert e["hardware"]["processes"] == 8 and e["hardware"]["memory_bytes"] == 81559 * 2**20
+    for s in e["stages"]:
+        assert s["peak_memory_bytes"] == sum(s["memory"].values()) and s["seconds"] >= 0
+        assert s["fits"] == (s["peak_memory_bytes"] <= 81559 * 2**20)
+        assert s["fits"] or s["fixes"]
+    distill = e["stages"][2]
+    # 123.6B parameters replicated: 16 bytes each for the student alone
+    assert distill["memory"]["student (weights, gradients, AdamW)"] == 16 * (120668707840 + 2942325248)
+    assert not distill["fits"] and any("shard=fsdp" in f for f in distill["fixes"])
+
+
+def test_fsdp_divides_the_state_by_the_processes():
+    from puzzlekit import ir
+    from puzzlekit.estimate import estimate, parse_hardware
+    from puzzlekit.passes.core import PASSES
+    from puzzlekit.tools.default_model import model_path
+
+    prog = ir.load(model_path(SUPER))
+    d = {shard: estimate([PASSES["distill"](shard=shard)], prog, parse_hardware("b200:16"), 2**62,
+                         rates=_Free()).stages[0].memory for shard in ("ddp", "fsdp")}
+    largest = max(n.op.param_count() for n in prog.nodes if n.op.is_block or n.op.kind == "mtp")
+    gathered = 2 * largest * 2  # one block gathered in bf16, the next prefetched
+    for part in ("teacher", "student (weights, gradients, AdamW)"):
+        assert d["fsdp"][part] == pytest.approx(d["ddp"][part] / 16 + gathered, rel=1e-12)
+
+
+def test_one_h100_says_what_cannot_fit_and_the_run_is_refused(capsys, tmp_path):
+    args = ["compress", SUPER, "--hardware", "h100:1", "--target", "8xb200", "--speedup", "2", "-o", tmp_path / "r"]
+    code, out, _ = cli(capsys, *args, "--estimate", "--json")
+    assert code == 0
+    stages = {s["stage"]: s for s in json.loads(out)["stages"]}
+    assert not stages["distill"]["fits"]
+    assert any("more GPUs under torchrun" in f for f in stages["distill"]["fixes"])
+    code, _, err = cli(capsys, *args)
+    assert code == 2 and "would not fit on 1 x h100" in err and "Ways to fit it" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_model_without_a_head_has_no_head_stages(capsys, tmp_path):
+    code, out, _ = cli(capsys, "compress", "nemotron-3-nano-30b-a3b", "--estimate", "--hardware", "b200:8",
+                       "--target", "b200", "--speedup", "2", "-o", tmp_path / "r", "--json")
+    assert code == 0
+    assert [s["stage"] for s in json.loads(out)["stages"]] == ["library", "puzzle", "distill", "quantize"]
+
+
+def test_a_run_that_cannot_fit_this_machine_is_refused_before_work(capsys, tmp_path):
+    code, _, err = cli(capsys, "run", "-p", "snapshot{name=teacher},distill{batch=4096,seq=65536}", "-o",
+                       tmp_path / "out")
+    assert code == 2 and "stage distill would not fit" in err and "checkpointing=true" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text, words", [("x100:8", "unknown GPU 'x100'"), ("h100:0", "NAME:COUNT")])
+def test_bad_hardware(capsys, tmp_path, text, words):
+    code, _, err = cli(capsys, "library", "-o", tmp_path / "lib", "--estimate", "--hardware", text)
+    assert code == 2 and words in err

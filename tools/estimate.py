@@ -1,0 +1,62 @@
+"""`--estimate` and `--hardware` on compress, library and run: what each stage needs, printed before any weight
+is read; without `--estimate`, a run whose stage cannot fit is refused here, before any work."""
+from __future__ import annotations
+
+from ..errors import UsageError
+
+
+def add_estimate_arguments(parser) -> None:
+    parser.add_argument("--estimate", action="store_true",
+                        help="print each stage's peak memory per process, time and whether it fits, from the config "
+                             "and the options alone (no weights read), and stop")
+    parser.add_argument("--hardware", metavar="GPU:N",
+                        help="what the run will have, for --estimate and the check before a run: h100:8, b200:16 "
+                             "(N processes, one per GPU, as under torchrun) or cpu (default: the visible GPUs, or "
+                             "this machine)")
+
+
+def library_passes(args) -> list:
+    """The `library` command's work as the pass it runs."""
+    from ..passes.core import PASSES
+
+    return [PASSES["library"](out=args.output, grid=args.grid or "", bld_tokens=args.bld_tokens,
+                              bld_lr=args.bld_lr, calib_windows=args.calib_windows, score_windows=args.score_windows,
+                              seq=args.seq)]
+
+
+def check_before_run(args, passes: list, prog) -> bool:
+    """With `--estimate`: prints the estimate (or its JSON) and returns True (the command stops). Otherwise refuses
+    (exit 2) a run one of whose stages would not fit the memory it has, and returns False."""
+    from ..estimate import estimate, parse_hardware
+    from ..memory import budget
+    from .common import emit
+
+    hw = parse_hardware(getattr(args, "hardware", None), getattr(args, "device", "auto"))
+    host = budget(args.max_memory) if hw.kind == "cpu" or args.max_memory else 2**62
+    if getattr(args, "estimate", False):
+        if hw.kind == "cpu":  # blocks are timed with the threads the run would take
+            from ..backends.torch.device import use_threads
+
+            use_threads(prog.param_counts()["total"], getattr(args, "threads", 0))
+        est = estimate(passes, prog, hw, host, getattr(args, "model", None) or "the built-in model")
+        emit(args, est.as_json(), est.format())
+        return True
+    est = estimate(passes, prog, hw, host, rates=Untimed(hw))
+    if not est.fits:
+        raise UsageError(est.refusal())
+    return False
+
+
+class Untimed:
+    """Rates for the check before a run: memory decides, so no block is timed."""
+
+    def __init__(self, hw):
+        self.hw = hw
+
+    def forward(self, op, rows, seq) -> float:
+        return 0.0
+
+    train = forward
+
+    def elements(self, n) -> float:
+        return 0.0
