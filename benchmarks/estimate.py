@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,14 +53,17 @@ def main() -> None:
     data = work / "corpus.jsonl"
     if not data.exists():
         counts.corpus(data)
-    (work / "out").mkdir(exist_ok=True)
+    shutil.rmtree(work / "out", ignore_errors=True)  # a library left by an earlier run would only be resumed
+    (work / "out").mkdir()
     cmds = counts.commands(ckpt, work / "out", data)
     cli = [sys.executable, "-m", "puzzlekit.tools"]
     if "scale-library" in a.stages:
         big = scale_checkpoint(work)
-        cmds["scale-library"] = [*cli, "library", str(big), "-o", str(work / "out" / "scale-lib"), "--max-memory",
-                                 "1GB", "--bld-tokens", "4096", "--calib-windows", "8", "--score-windows", "4",
-                                 "--seq", "128"]
+        grid = work / "scale-grid.toml"  # benchmarks/scale.py's library command
+        grid.write_text('[mamba2]\nheads = [16]\n[moe]\nexperts = [8]\n[attention]\nq_heads = [8]\n')
+        cmds["scale-library"] = [*cli, "library", str(big), "-o", str(work / "out" / "scale-lib"), "--grid", str(grid),
+                                 "--calib-windows", "4", "--score-windows", "2", "--seq", "64", "--bld-tokens", "512",
+                                 "--max-memory", "1GB"]
     rows = []
     print(f"{'stage':<16} {'est. peak':>10} {'peak':>8} {'ratio':>6} {'est. time':>10} {'wall':>8} {'ratio':>6}")
     for name in a.stages:

@@ -8,18 +8,25 @@ manager would run them (a `repeat{n}` body n times, with its steps split as comp
 from __future__ import annotations
 
 from .hardware import GPU_EFFICIENCY, Hardware, Rates, parse_hardware
-from .stages import ESTIMATORS, Context, Stage
+from .stages import ESTIMATORS, Context, Stage, output
 
 __all__ = ["Estimate", "GPU_EFFICIENCY", "Hardware", "Rates", "Stage", "estimate", "parse_hardware"]
 
 GiB = 2**30
+#: a process's start: the interpreter, torch and puzzlekit imported, the model's index read (2-core machine)
+STARTUP_SECONDS = 3.0
 
 
 class Estimate:
     """The stages of one run on one kind of hardware."""
 
-    def __init__(self, stages: list[Stage], hw: Hardware, model: str, budget: int):
-        self.stages, self.hw, self.model, self.budget = stages, hw, model, budget
+    def __init__(self, stages: list[Stage], hw: Hardware, model: str, budget: int, left_out: str = ""):
+        self.stages, self.hw, self.model, self.budget, self.left_out = stages, hw, model, budget, left_out
+
+    @property
+    def seconds(self) -> float:
+        """The stages and the process's start."""
+        return STARTUP_SECONDS + sum(s.seconds for s in self.stages)
 
     @property
     def fits(self) -> bool:
@@ -27,7 +34,7 @@ class Estimate:
 
     def as_json(self) -> dict:
         return {"model": self.model, "hardware": self.hw.describe(), "budget_bytes": self.budget,
-                "fits": self.fits, "seconds": sum(s.seconds for s in self.stages),
+                "fits": self.fits, "seconds": self.seconds, "not_estimated": self.left_out,
                 "stages": [s.as_json() for s in self.stages]}
 
     def format(self) -> str:
@@ -40,7 +47,8 @@ class Estimate:
                  else "measured on this machine")
         lines = [f"estimate for {self.model} on {self.hw.name} ({self.hw.memory_bytes / GiB:.1f} GiB per process; "
                  f"rates: {rates})", *rows,
-                 f"total {_duration(sum(s.seconds for s in self.stages))}"]
+                 f"total {_duration(self.seconds)} (with {STARTUP_SECONDS:g} s to start)"
+                 + (f"; not estimated: {self.left_out}" if self.left_out else "")]
         lines += [f"\n{s.name} does not fit: needs {s.peak_memory_bytes / GiB:.1f} GiB per process, has "
                   f"{hw['memory_bytes'] / GiB:.1f} GiB; ways to fit it:\n  - " + "\n  - ".join(s.fixes)
                   for s in self.stages if not s.fits]
@@ -66,8 +74,10 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def estimate(passes: list, prog, hw: Hardware, budget: int, model: str = "", rates: Rates | None = None) -> Estimate:
-    """Every pass with an estimator, in order (a `repeat{n}` body n times); the others are cheap and left out."""
+def estimate(passes: list, prog, hw: Hardware, budget: int, model: str = "", rates: Rates | None = None,
+             writes: bool = False, left_out: str = "") -> Estimate:
+    """Every pass with an estimator, in order (a `repeat{n}` body n times; the others are cheap and left out), and
+    with `writes` the checkpoint written at the end."""
     ctx = Context(prog, hw, budget, rates)
     stages = []
 
@@ -80,4 +90,6 @@ def estimate(passes: list, prog, hw: Hardware, budget: int, model: str = "", rat
                 stages.append(ESTIMATORS[p.pass_name](ctx, p))
 
     walk(passes)
-    return Estimate(stages, hw, model or str(prog.meta.get("source", "")), budget)
+    if writes:
+        stages.append(output(ctx))
+    return Estimate(stages, hw, model or str(prog.meta.get("source", "")), budget, left_out)

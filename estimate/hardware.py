@@ -4,8 +4,9 @@ as processes with their memory and their rates.
 A GPU's memory and datasheet peaks are the cost model's own (backends/targets.py); a training or inference step
 reaches `GPU_EFFICIENCY` of the dense bf16 peak and of the memory bandwidth (stated in every estimate). On the CPU
 the rates are measured on this machine: each distinct block is run (forward, or forward and backward) at the
-stage's own batch and sequence with random weights of its shapes; a block too large to run here is priced at
-the measured rate of a float32 matrix product.
+stage's own batch and sequence with random weights of its shapes, and other blocks of its kind (the library's
+variants) take its time per unit of work; a block too large to run here is priced at the measured rate of a
+float32 matrix product.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from ..errors import UsageError
 GPU_EFFICIENCY = 0.4
 #: a CUDA context, cuBLAS workspaces and the allocator's slack, per process
 GPU_RESERVED = int(1.5e9)
+#: bytes a second a checkpoint's layers are read at where they cannot be timed (a local NVMe disk)
+READ_RATE = 2e9
 #: blocks with more parameters than this are not run on the CPU to time them (their matrix products are)
 TIMED_PARAMS = 64_000_000
 
@@ -111,8 +114,9 @@ class Rates:
 
     def __init__(self, hw: Hardware):
         self.hw = hw
-        self._timed: dict = {}
+        self._per_flop: dict = {}
         self._gemm: float | None = None
+        self._read: float | None = None
 
     def forward(self, op, rows: int, seq: int) -> float:
         return self._seconds(op, rows, seq, False)
@@ -133,10 +137,23 @@ class Rates:
             return max(flops / (t.peak_flops["bf16"] * GPU_EFFICIENCY), weights / (t.bandwidth * GPU_EFFICIENCY))
         if op.param_count() > TIMED_PARAMS or op.kind not in _TIMED:
             return flops / self._gemm_rate()
-        key = (op, rows, seq, train)
-        if key not in self._timed:
-            self._timed[key] = _time_block(op, rows, seq, train)
-        return self._timed[key]
+        key = (op.kind, rows, seq, train)  # the first block of a kind at a shape is timed; others scale by work
+        if key not in self._per_flop:
+            self._per_flop[key] = _time_block(op, rows, seq, train) / max(flops, 1.0)
+        return flops * self._per_flop[key]
+
+    def read_rate(self, prog) -> float:
+        """Bytes a second a layer is read from the checkpoint into float32 tensors: on the CPU one read of the
+        program's largest block when it has weights (into fresh memory, as a stream reads), else `READ_RATE`."""
+        if self._read is None:
+            self._read = READ_RATE
+            if self.hw.kind == "cpu" and not prog.is_meta:
+                node = max(prog.blocks(), key=lambda n: n.op.param_count())
+                start = time.perf_counter()
+                read = [t.float() for t in prog.node_weights(node).values()]
+                self._read = 4.0 * node.op.param_count() / (time.perf_counter() - start)
+                del read
+        return self._read
 
     def _gemm_rate(self) -> float:
         if self._gemm is None:

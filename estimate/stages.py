@@ -11,13 +11,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .activations import logits_bytes, saved_bytes
+from .activations import logits_bytes, saved_bytes, saved_floats
 from .hardware import GPU_RESERVED, Hardware, Rates
 
 #: a process's own resident memory on the host: the interpreter, torch, puzzlekit, tokenizers (measured: 0.26 GB)
 HOST_BASE = int(0.26e9)
+#: a weight's entry in the loaded program, and a new tensor's Python object with its scale (measured: reading the
+#: Super-counts miniature's index of 42,000 tensors adds 0.05 GB)
+ENTRY_BYTES, NEW_TENSOR_BYTES = 1200, 2048
 #: the search: seconds per trunk layer (Super's plan on 8xB200: 10.7 s for 88 layers) and a start
 SEARCH_SECONDS = (2.0, 0.1)
+#: writing a checkpoint: per tensor (its config, its shard entry, its check on reading back: 11.7 s for the
+#: Super-counts miniature's 42,000 tensors) and per byte (a local disk)
+WRITE_PER_TENSOR, WRITE_RATE = 2.5e-4, 500e6
+STORED_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: verification steps of the MTP check: new tokens / this acceptance (tokens per step) when the parent records none
 ACCEPTANCE_GUESS = 1.5
 
@@ -69,7 +76,10 @@ class Context:
 
     @property
     def base(self) -> int:
-        return GPU_RESERVED if self.hw.kind == "gpu" else HOST_BASE
+        return GPU_RESERVED if self.hw.kind == "gpu" else HOST_BASE + ENTRY_BYTES * self.tensors()
+
+    def tensors(self) -> int:
+        return sum(len(n.op.params()) for n in self.prog.nodes)
 
     def params(self) -> int:
         c = self.prog.param_counts()
@@ -85,9 +95,22 @@ class Context:
         return next((n.op for n in self.prog.nodes if n.op.kind == "mtp"), None)
 
     def kept(self, weights: float, work: float = 0.0) -> float:
-        """Weights a stream keeps beside `work`: half the budget (on a GPU at most half its memory)."""
-        room = self.budget / 2 if self.hw.kind == "cpu" else min(self.budget / 2, self.hw.memory_bytes / 2)
-        return min(weights, max(0.0, room - work))
+        """Weights a stream keeps beside `work`: half the budget, less the work (on a GPU at most half of what
+        the work leaves free)."""
+        room = self.budget / 2 - work
+        if self.hw.kind == "gpu":
+            room = min(room, (self.hw.memory_bytes - self.base - work) / 2)
+        return min(weights, max(0.0, room))
+
+    def streamed(self, weights: float, work: float = 0.0) -> dict:
+        """A stream's memory: the layers it keeps, and the layer being read (its bytes as read and its module;
+        when not every layer is kept, also the one running)."""
+        kept, layer = self.kept(weights, work), 4.0 * max(op.param_count() for op in self.blocks())
+        return {"weights (kept layers)": kept, "layer being read": layer * (1 if kept >= weights else 2)}
+
+    def reads(self, weights: float, work: float = 0.0) -> float:
+        """Seconds to read the layers a stream does not keep once more."""
+        return max(0.0, weights - self.kept(weights, work)) / self.rates.read_rate(self.prog)
 
     def forward(self, rows: int, seq: int, ops=None) -> float:
         ops = self.blocks() if ops is None else ops
@@ -100,6 +123,11 @@ class Context:
             memory, host = memory | host, {}
         return Stage(name, {"process": self.base} | memory, seconds, self.hw.memory_bytes, list(fixes), list(notes),
                      host)
+
+
+def saved_floats_max(ops, seq: int, device: str) -> float:
+    """The most floats per token one of `ops` keeps for its backward."""
+    return max(saved_floats(op, seq, device) for op in ops)
 
 
 def _batches(n: int, batch: int) -> int:
@@ -140,15 +168,19 @@ def library(ctx: Context, p) -> Stage:
         t += len(run) * (sum(tail[i + 1:]) + head) * _batches(p.score_windows, 8)
         rows_s[i % ctx.hw.processes] += t
     rows_phase = ctx.kept(weights, work_peak) + work_peak > ctx.kept(weights) + (tapes if ctx.device == "cpu" else 0)
+    # scoring layer i reads layers i+1.. again where the stream cannot keep them beside the layer's work
+    sizes_after = [4.0 * sum(op.param_count() for op in ctx.blocks()[i + 1:]) for i in range(len(layers))]
+    rereads = sum(ctx.reads(w, work_peak) for w in sizes_after) / ctx.hw.processes + ctx.reads(weights) + \
+        weights / ctx.rates.read_rate(ctx.prog)
     fixes = ["fewer --calib-windows / --score-windows or a shorter --seq"]
     if work_peak + ctx.base > ctx.hw.memory_bytes:
         fixes.insert(0, "a grid with fewer or smaller variants per layer (--grid): a layer's variants are held "
                         "together until scored, in float32")
     else:
         fixes.insert(0, "a smaller --max-memory (layers are then read again as they are needed)")
-    return ctx.stage("library", {"weights (kept layers)": ctx.kept(weights, work_peak if rows_phase else 0),
-                                 "layer work and activations": work_peak if rows_phase or ctx.device == "gpu" else 0},
-                     sweep_s + max(rows_s), fixes,
+    return ctx.stage("library", ctx.streamed(weights, work_peak if rows_phase else 0)
+                     | {"layer work and activations": work_peak if rows_phase or ctx.device == "gpu" else 0},
+                     sweep_s + max(rows_s) + rereads, fixes,
                      notes=[f"{len(layers)} layers; the sweep on rank 0, the layers' variants shared over "
                             f"{ctx.hw.processes} process(es)"],
                      host={"the sweep's tapes": tapes if not rows_phase else 0})
@@ -185,6 +217,7 @@ def distill(ctx: Context, p) -> Stage:
     vocab = ctx.head().vocab
     copies = (3 + (2 if not p.teacher_logits else 0)) * (2 if ctx.mtp() else 1)
     memory = {"student (weights, gradients, AdamW)": student + gathered, "teacher": teacher,
+              "best weights (keep_best)": 4.0 * trainable / share if p.keep_best else 0.0,
               "activations": acts, "logits": logits_bytes(vocab, rows, p.seq, copies)}
     # time: every step trains the student on each micro-batch and runs the teacher over it
     step = sum(ctx.rates.train(op, rows, p.seq) for op in blocks) + ctx.rates.train(ctx.head(), rows, p.seq)
@@ -195,22 +228,29 @@ def distill(ctx: Context, p) -> Stage:
     step *= p.accumulate
     if ctx.hw.kind == "gpu" and world > 1:  # gradients reduced (ddp: all-reduce; fsdp: reduce-scatter + gather)
         step += 2 * 4.0 * n * (world - 1) / world / (ctx.hw.target.interconnect_bandwidth or 1e11)
-    evals = p.steps // p.eval_every + 1
+    # held-out evaluations: before, every eval_every steps and after (student and teacher), and the student's bits
+    # per byte before and after
+    forwards = 2 * (p.steps // p.eval_every + 2) + 2
     e8 = min(8, p.eval_windows)
-    eval_s = evals * _batches(p.eval_windows, 8) * 2 * (ctx.forward(e8, p.seq, blocks)
-                                                        + ctx.rates.forward(ctx.head(), e8, p.seq))
+    eval_s = forwards * _batches(p.eval_windows, 8) * (ctx.forward(e8, p.seq, blocks)
+                                                       + ctx.rates.forward(ctx.head(), e8, p.seq))
     fixes = []
     if not fsdp:
         fixes.append("shard=fsdp under torchrun: parameters, gradients and optimizer state divided by the processes")
-    states = 4.0 * n + 12.0 * trainable + (0.0 if p.teacher_logits else teacher_bytes * n)
-    room = ctx.hw.memory_bytes - ctx.base - min(acts, 4.0 * rows * p.seq * blocks[0].hidden * len(blocks)
-                                                + max(saved)) - 2 * gathered
-    need = math.ceil(states / room) if room > 0 else 0
-    fixes.append(f"more {'GPUs' if ctx.hw.kind == 'gpu' else 'processes'} under torchrun: with shard=fsdp and "
-                 f"checkpointing=true, at least {need} for the weights, optimizer state and teacher"
-                 if need else "GPUs with more memory: one block's activations alone do not fit")
+    # with shard=fsdp and checkpointing: the weights, optimizer state, teacher and best weights divided, the rest not
+    sharded = 4.0 * n + (16.0 if p.keep_best else 12.0) * trainable + (0.0 if p.teacher_logits else teacher_bytes * n)
+    single = 4.0 * p.seq * (blocks[0].hidden * len(blocks) + saved_floats_max(blocks, p.seq, ctx.device))
+    room = ctx.hw.memory_bytes - ctx.base - 4 * largest * ctx.hw.compute_bytes - \
+        logits_bytes(vocab, 1, p.seq, copies) - single
+    need = math.ceil(sharded / room) if room > 0 else 0
+    fixes.append(f"more {'GPUs' if ctx.hw.kind == 'gpu' else 'machines (processes of one share its memory)'} under "
+                 "torchrun: with shard=fsdp, "
+                 f"checkpointing=true and one row per micro-batch, at least {need} processes"
+                 if need else "GPUs with more memory: one row's activations and logits alone do not fit")
     if not p.checkpointing:
         fixes.append("checkpointing=true: block activations recomputed in the backward")
+    if p.keep_best:
+        fixes.append("keep_best=false: no copy of the best weights")
     if not p.teacher_logits:
         fixes.append("teacher_logits=DIR (stored top-k logits: no teacher in memory; cos=0, mtp=0)")
     fixes.append(f"a smaller batch per process (accumulate=N, or batch below {p.batch}) or a shorter seq "
@@ -233,7 +273,7 @@ def mtp_check(ctx: Context, p) -> Stage:
     steps = p.new_tokens / acceptance
     one = ctx.forward(1, p.prompt_len) + steps * (2 * ctx.forward(1, p.drafts + 1)
                                                  + p.drafts * ctx.rates.forward(ctx.mtp(), 1, 1))
-    return ctx.stage("mtp-check", {"weights (kept layers)": ctx.kept(2 * weights)}, 2 * p.prompts * one,
+    return ctx.stage("mtp-check", ctx.streamed(2 * weights), 2 * p.prompts * one + 2 * ctx.reads(2 * weights),
                      notes=[f"{steps:.0f} verification steps per prompt (acceptance {acceptance:g} tokens per step)"])
 
 
@@ -245,10 +285,23 @@ def quantize(ctx: Context, p) -> Stage:
     fp4 = "nvfp4" in p.recipe or "fp4" in p.recipe
     quantized = n * (0.5 + 1 / 16 if fp4 else 1.0)
     weights = 4.0 * n
-    host = {"quantised copy": min(quantized, ctx.budget / 4), "shard being written": min(quantized, ctx.budget / 4)}
-    seconds = ctx.forward(8, p.seq) * _batches(p.samples, 8) + ctx.rates.elements(n)
-    return ctx.stage("quantize", {"weights (kept layers)": ctx.kept(weights)}, seconds, ["a smaller --max-memory"],
+    host = {"quantised copy": min(quantized, ctx.budget / 4) + NEW_TENSOR_BYTES * ctx.tensors(),
+            "shard being written": min(quantized, ctx.budget / 4)}
+    # one run of the original (calibration) and one of the quantised model (the report's KL), 4 windows a batch
+    seconds = 2 * ctx.forward(min(4, p.samples), p.seq) * _batches(p.samples, 4) + ctx.rates.elements(n)
+    seconds += 2 * ctx.reads(weights) + weights / ctx.rates.read_rate(ctx.prog)
+    return ctx.stage("quantize", ctx.streamed(weights), seconds, ["a smaller --max-memory"],
                      host=host)
+
+
+# -- writing the result ----------------------------------------------------------------------------------------------
+def output(ctx: Context) -> Stage:
+    """`run -o`: the checkpoint written in shards of at most a quarter of the budget, each tensor checked as it is
+    read back."""
+    tensors = ctx.tensors()
+    stored = ctx.params() * STORED_BYTES.get(str(ctx.prog.meta.get("dtype", "")), 4)
+    seconds = tensors * WRITE_PER_TENSOR + stored / WRITE_RATE
+    return ctx.stage("write", {}, seconds, host={"shard being written": min(stored, ctx.budget / 4)})
 
 
 ESTIMATORS = {"library": library, "puzzle": puzzle, "distill": distill, "mtp-check": mtp_check, "quantize": quantize}

@@ -322,7 +322,7 @@ def test_compress_refuses_a_bad_cost_table_before_any_work(capsys, tmp_path, mon
     """(A corrupt or foreign --cost-table FILE was dropped without a word and every op timed anew: > 90 s.)"""
     import puzzlekit.tools.compress as compress
 
-    monkeypatch.setattr(compress, "_parent", lambda *a: pytest.fail("the run started its work"))
+    monkeypatch.setattr(compress, "_text", lambda *a: pytest.fail("the run started its work"))
     table, out = tmp_path / "table.json", tmp_path / "run"
     table.write_bytes(content)
     code, err = run(capsys, "compress", "--quick", "--target", "cpu", "--cost-table", table, "-o", out)
@@ -336,7 +336,7 @@ def test_a_pinned_cost_table_that_is_not_one_is_refused_not_timed_anew(capsys, t
     import puzzlekit.tools.compress as compress
     from puzzlekit.backends.measured import CostTableError, MeasuredProvider
 
-    monkeypatch.setattr(compress, "_parent", lambda *a: pytest.fail("the run started its work"))
+    monkeypatch.setattr(compress, "_text", lambda *a: pytest.fail("the run started its work"))
     out = tmp_path / "run"
     out.mkdir()
     (out / "cost-table.json").write_text("{truncated")

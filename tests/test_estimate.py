@@ -86,6 +86,9 @@ class _Free:
     def elements(self, n):
         return 0.0
 
+    def read_rate(self, prog):
+        return float("inf")
+
 
 def test_super_on_eight_h100s_from_its_config(capsys, tmp_path):
     code, out, _ = cli(capsys, "compress", SUPER, "--estimate", "--hardware", "h100:8", "--target", "8xb200",
@@ -93,7 +96,7 @@ def test_super_on_eight_h100s_from_its_config(capsys, tmp_path):
     assert code == 0 and not (tmp_path / "run").exists()
     e = json.loads(out)
     names = [s["stage"] for s in e["stages"]]
-    assert names == ["library", "puzzle", "distill", "mtp-check", "distill (MTP head)", "mtp-check", "quantize"]
+    assert names == ["library", "puzzle", "distill", "mtp-check", "distill (MTP head)", "mtp-check", "quantize", "write"]
     assert e["hardware"]["processes"] == 8 and e["hardware"]["memory_bytes"] == 81559 * 2**20
     for s in e["stages"]:
         assert s["peak_memory_bytes"] == sum(s["memory"].values()) and s["seconds"] >= 0
@@ -136,7 +139,7 @@ def test_a_model_without_a_head_has_no_head_stages(capsys, tmp_path):
     code, out, _ = cli(capsys, "compress", "nemotron-3-nano-30b-a3b", "--estimate", "--hardware", "b200:8",
                        "--target", "b200", "--speedup", "2", "-o", tmp_path / "r", "--json")
     assert code == 0
-    assert [s["stage"] for s in json.loads(out)["stages"]] == ["library", "puzzle", "distill", "quantize"]
+    assert [s["stage"] for s in json.loads(out)["stages"]] == ["library", "puzzle", "distill", "quantize", "write"]
 
 
 def test_a_run_that_cannot_fit_this_machine_is_refused_before_work(capsys, tmp_path):

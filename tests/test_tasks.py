@@ -106,6 +106,7 @@ def test_the_byte_model_scores_each_request_as_an_unbatched_forward_does(tasks_d
             assert float(got) == pytest.approx(float(want), rel=1e-5, abs=1e-4)
 
 
+@pytest.mark.slow  # the CLI's table over lm-eval (26 s); the scores against the hf model stay in the default suite
 def test_eval_tasks_prints_the_table_and_json(subword, tasks_dir, capsys):
     assert main(["eval", str(subword.model), "--tasks", "pk_mc,pk_ppl", "--include-path", str(tasks_dir),
                  "--limit", "6", "--teacher", str(subword.model), "--json"]) == 0

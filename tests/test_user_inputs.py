@@ -345,6 +345,7 @@ def test_an_answer_longer_than_the_context_is_refused_as_the_hf_model_does(subwo
     assert "longer than the model's context of 4,096 tokens" in line
 
 
+@pytest.mark.slow  # an edge of lm-eval's hf model (19 s)
 def test_a_tokenizer_without_bos_or_eos(subword, tasks, tmp_path, capsys):
     """lm-eval's `hf` model fails on None for both; rolling log-likelihood needs a token to start from (refused),
     generation stops at the task's stop strings."""

@@ -146,12 +146,14 @@ def compress(args, progress: bool = True) -> dict:
     src = model_path(args.model).resolve()
     if out.resolve() == src or src in out.resolve().parents or out.resolve() in src.parents:
         raise PuzzlekitError(f"-o {out} would write into or around the input model {src}; choose another directory")
-    if _check_before_run(args, src, out):
-        return {}
-    parent, corpus = _parent(args, src)
+    from .. import ir
     from ..passes.puzzle.engines import get_engine
 
+    parent = ir.load(src)  # its config and index: the weights are read when used
     get_engine(args.engine).check_parent(parent)  # a head no child of which the engines serve: before the library
+    if _check_before_run(args, parent, out):
+        return {}
+    corpus = _text(args, parent)
     library = Path(args.library) if args.library else out / "library"
     _check_held_out(args, out, library, corpus, parent)
     args.scenario = _workload(args, out)
@@ -159,10 +161,9 @@ def compress(args, progress: bool = True) -> dict:
         return _run(args, out, parent, library, progress)
 
 
-def _check_before_run(args, src: Path, out: Path) -> bool:
+def _check_before_run(args, parent, out: Path) -> bool:
     """The estimate of every stage from the parent's config and the options (tools/estimate.py): printed with
     --estimate (True: nothing more to do), otherwise a stage that cannot fit refuses the run before any work."""
-    from .. import ir
     from ..errors import read_text
     from ..passes import parse_pipeline, resolve_pipeline
     from ..passes.pipeline import PIPELINES_DIR
@@ -170,25 +171,23 @@ def _check_before_run(args, src: Path, out: Path) -> bool:
 
     library = Path(args.library) if args.library else out / "library"
     template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
-    parent = ir.load(src)
     text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
     passes = head_work(parse_pipeline(resolve_pipeline(text)), parent)
     if args.library:  # an existing library: no library stage to run
         passes = [p for p in passes if getattr(p, "pass_name", "") != "library"]
-    return check_before_run(args, passes, parent)
+    return check_before_run(args, passes, parent, announce=True,
+                            left_out="the outputs after the child is written (ONNX graphs, the engine bundle, "
+                                     "the report's evaluations)")
 
 
-def _parent(args, src: Path):
-    """The model to compress, with its tokenizer (refused before any work when a subword model has none) and
-    the data checked to read."""
-    from .. import ir
+def _text(args, parent):
+    """The parent's tokenizer (refused before any work when a subword model has none) and the data, checked to read
+    and tokenized once (cached on disk): every stage reads it."""
     from ..text.data import corpus_for
     from ..text.tokenizer import set_tokenizer
 
-    parent = ir.load(src)
     set_tokenizer(parent, args.tokenizer)
-    # tokenized once here (and cached on disk): every stage reads it
-    return parent, corpus_for(parent, args.data, progress=not args.json and sys.stderr.isatty())
+    return corpus_for(parent, args.data, progress=not args.json and sys.stderr.isatty())
 
 
 def _check_held_out(args, out: Path, library: Path, corpus, parent) -> None:

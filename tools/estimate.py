@@ -2,6 +2,8 @@
 is read; without `--estimate`, a run whose stage cannot fit is refused here, before any work."""
 from __future__ import annotations
 
+import sys
+
 from ..errors import UsageError
 
 
@@ -24,24 +26,32 @@ def library_passes(args) -> list:
                               seq=args.seq)]
 
 
-def check_before_run(args, passes: list, prog) -> bool:
+def check_before_run(args, passes: list, prog, writes: bool = True, announce: bool = False,
+                     left_out: str = "") -> bool:
     """With `--estimate`: prints the estimate (or its JSON) and returns True (the command stops). Otherwise refuses
-    (exit 2) a run one of whose stages would not fit the memory it has, and returns False."""
+    (exit 2) a run one of whose stages would not fit the memory it has, and returns False; `announce` (a long run:
+    compress, library) prints the whole estimate on stderr first, once."""
     from ..estimate import estimate, parse_hardware
     from ..memory import budget
     from .common import emit
 
+    if prog.is_meta and not getattr(args, "estimate", False):  # a config alone: nothing will run on weights
+        return False
     hw = parse_hardware(getattr(args, "hardware", None), getattr(args, "device", "auto"))
     host = budget(args.max_memory) if hw.kind == "cpu" or args.max_memory else 2**62
-    if getattr(args, "estimate", False):
-        if hw.kind == "cpu":  # blocks are timed with the threads the run would take
-            from ..backends.torch.device import use_threads
+    model = getattr(args, "model", None) or "the built-in model"
+    timed = getattr(args, "estimate", False) or (announce and not args.json)
+    if timed and hw.kind == "cpu":  # blocks are timed with the threads the run would take
+        from ..backends.torch.device import use_threads
 
-            use_threads(prog.param_counts()["total"], getattr(args, "threads", 0))
-        est = estimate(passes, prog, hw, host, getattr(args, "model", None) or "the built-in model")
+        use_threads(prog.param_counts()["total"], getattr(args, "threads", 0))
+    est = estimate(passes, prog, hw, host, model, rates=None if timed else Untimed(hw), writes=writes,
+                   left_out=left_out)
+    if getattr(args, "estimate", False):
         emit(args, est.as_json(), est.format())
         return True
-    est = estimate(passes, prog, hw, host, rates=Untimed(hw))
+    if timed:
+        print(est.format(), end="", file=sys.stderr, flush=True)
     if not est.fits:
         raise UsageError(est.refusal())
     return False
@@ -60,3 +70,6 @@ class Untimed:
 
     def elements(self, n) -> float:
         return 0.0
+
+    def read_rate(self, prog) -> float:
+        return float("inf")

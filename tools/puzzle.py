@@ -45,7 +45,7 @@ def run_library(args) -> int:
 
     compute = compute_of(args)
     prog = load_model(args)
-    if check_before_run(args, library_passes(args), prog):  # --estimate: printed
+    if check_before_run(args, library_passes(args), prog, writes=False, announce=True):  # --estimate: printed
         return 0
     if not prog.is_meta:  # a weightless library (a bare config) reads no text: no tokenizer needed
         from ..text.data import corpus_for, require_windows
