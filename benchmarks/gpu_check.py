@@ -76,12 +76,24 @@ def stages(parent, compute, work: Path) -> tuple[dict, object]:
     library_s = time.perf_counter() - t
     child = parent.copy()
     PassManager("set-topk{k=1},drop-blocks{layers=[2]}").run(child)
+    settings = Distill(steps=40, batch=8, seq=128, eval_every=20, eval_windows=4, lr=1e-3)
+    cuda = compute.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(compute.device)
     t = time.perf_counter()
-    rep = distill(child, parent, Distill(steps=40, batch=8, seq=128, eval_every=20, eval_windows=4, lr=1e-3),
-                  compute=compute)
+    rep = distill(child, parent, settings, compute=compute)
     distill_s = time.perf_counter() - t
-    return {"compute": str(compute), "library_s": library_s, "distill_s": distill_s,
-            "distill_kl_before": rep["before"]["kl"], "distill_kl_after": rep["after"]["kl"]}, lib
+    out = {"compute": str(compute), "library_s": library_s, "distill_s": distill_s,
+           "distill_kl_before": rep["before"]["kl"], "distill_kl_after": rep["after"]["kl"]}
+    if cuda:  # the GPU formulas of --estimate against this run (estimate/stages.py; the CUDA context apart)
+        from puzzlekit.estimate import estimate, parse_hardware
+        from puzzlekit.estimate.hardware import GPU_RESERVED
+
+        stage = estimate([settings], child, parse_hardware(None, "cuda"), 2**62).stages[0]
+        out["estimate"] = {"peak_bytes": stage.peak_memory_bytes - GPU_RESERVED, "seconds": stage.seconds,
+                           "measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(compute.device),
+                           "measured_seconds": distill_s}
+    return out, lib
 
 
 def child_plan(lib, parent, target: str, scenario: str, speedups=(2.0, 1.75, 1.5, 1.25)):
@@ -172,6 +184,10 @@ def main() -> int:
                   if k == "distill_s" else "")
             print(f"{k[:-2]:<10}{result['cpu'][k]:>12.1f}{result['cuda_bf16'][k]:>13.1f}"
                   f"{result['cpu'][k] / result['cuda_bf16'][k]:>9.1f}x{kl:>20}", flush=True)
+        e = result["cuda_bf16"]["estimate"]
+        print(f"distill --estimate on this GPU: {e['peak_bytes'] / 1e9:.2f} GB (measured, reserved: "
+              f"{e['measured_peak_reserved_bytes'] / 1e9:.2f} GB), {e['seconds']:.1f} s "
+              f"(measured {e['measured_seconds']:.1f} s)", flush=True)
         search, plan = child_plan(lib, parent, args.target, args.scenario)
         child = search.child(search.rows_of(plan), weights=True)
         rows = decode_rows(parent, child, gpu, args.target, get_scenario(args.scenario))

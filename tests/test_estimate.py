@@ -96,7 +96,8 @@ def test_super_on_eight_h100s_from_its_config(capsys, tmp_path):
     assert code == 0 and not (tmp_path / "run").exists()
     e = json.loads(out)
     names = [s["stage"] for s in e["stages"]]
-    assert names == ["library", "puzzle", "distill", "mtp-check", "distill (MTP head)", "mtp-check", "quantize", "write"]
+    assert names == ["library", "puzzle", "distill", "mtp-check", "distill (MTP head)", "mtp-check", "quantize",
+                     "write"]
     assert e["hardware"]["processes"] == 8 and e["hardware"]["memory_bytes"] == 81559 * 2**20
     for s in e["stages"]:
         assert s["peak_memory_bytes"] == sum(s["memory"].values()) and s["seconds"] >= 0
@@ -153,3 +154,47 @@ def test_a_run_that_cannot_fit_this_machine_is_refused_before_work(capsys, tmp_p
 def test_bad_hardware(capsys, tmp_path, text, words):
     code, _, err = cli(capsys, "library", "-o", tmp_path / "lib", "--estimate", "--hardware", text)
     assert code == 2 and words in err
+
+
+MEASURE = """
+import resource, sys
+from puzzlekit.tools.cli import main
+code = main(sys.argv[1:])
+print(code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_a_distillations_measured_peak_is_within_a_quarter_of_its_estimate(tmp_path, capsys):
+    """The property the refusal rests on, on a model whose training state outweighs the process (0.2 GB, float32):
+    the estimate before the run against the peak resident memory the same run reaches in its own process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from puzzlekit import ir
+    from puzzlekit.ir.checkpoint import program_from_config
+
+    cfg = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 256,
+           "hidden_size": 1024, "num_hidden_layers": 3, "hybrid_override_pattern": "ME*", "mamba_num_heads": 32,
+           "mamba_head_dim": 64, "n_groups": 4, "ssm_state_size": 64, "conv_kernel": 4, "expand": 2,
+           "chunk_size": 64, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+           "n_routed_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 1024,
+           "moe_shared_expert_intermediate_size": 1024, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+           "norm_topk_prob": True, "intermediate_size": 2048, "layer_norm_epsilon": 1e-5,
+           "tie_word_embeddings": False, "torch_dtype": "float32", "num_nextn_predict_layers": 0,
+           "use_conv_bias": True, "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2"}
+    prog = program_from_config(cfg, Path("config.json"))
+    g = torch.Generator().manual_seed(0)
+    for n in prog.nodes:
+        for local, shape in n.op.params().items():
+            t = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * 0.02
+            prog.weights.set(f"{n.path}.{local}", t)
+    ir.save(prog, tmp_path / "model")
+    args = ["run", tmp_path / "model", "-p", "snapshot{name=teacher},distill{steps=2,batch=2,seq=64,eval_windows=2}",
+            "-o", tmp_path / "out"]
+    code, out, _ = cli(capsys, *args, "--estimate", "--json")
+    estimate = max(s["peak_memory_bytes"] for s in json.loads(out)["stages"])
+    ran = subprocess.run([sys.executable, "-c", MEASURE, *map(str, args)], capture_output=True, text=True)
+    code, peak = map(int, ran.stdout.split()[-2:])
+    assert code == 0, ran.stderr[-2000:]
+    assert 1.2e9 < estimate and peak == pytest.approx(estimate, rel=0.25)

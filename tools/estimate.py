@@ -35,8 +35,6 @@ def check_before_run(args, passes: list, prog, writes: bool = True, announce: bo
     from ..memory import budget
     from .common import emit
 
-    if prog.is_meta and not getattr(args, "estimate", False):  # a config alone: nothing will run on weights
-        return False
     hw = parse_hardware(getattr(args, "hardware", None), getattr(args, "device", "auto"))
     host = budget(args.max_memory) if hw.kind == "cpu" or args.max_memory else 2**62
     model = getattr(args, "model", None) or "the built-in model"

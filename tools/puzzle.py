@@ -45,8 +45,9 @@ def run_library(args) -> int:
 
     compute = compute_of(args)
     prog = load_model(args)
-    if check_before_run(args, library_passes(args), prog, writes=False, announce=True):  # --estimate: printed
-        return 0
+    weightless = prog.is_meta and not args.estimate  # a bare config's library: sizes only, nothing to check
+    if not weightless and check_before_run(args, library_passes(args), prog, writes=False, announce=True):
+        return 0  # --estimate: printed
     if not prog.is_meta:  # a weightless library (a bare config) reads no text: no tokenizer needed
         from ..text.data import corpus_for, require_windows
 
