@@ -11,6 +11,7 @@ float32 matrix product.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import time
@@ -63,14 +64,14 @@ def parse_hardware(text: str | None, device: str = "auto") -> Hardware:
     m = re.fullmatch(r"\s*([^:]+?)\s*(?::\s*(\d+))?\s*", text)
     if not m or (m.group(2) is not None and int(m.group(2)) < 1):
         raise UsageError(f"--hardware {text!r}: write it as NAME:COUNT, e.g. h100:8, b200:16 or cpu")
-    name, count = m.group(1).lower(), int(m.group(2) or 1)
-    if name == "cpu":
+    name, count = m.group(1), int(m.group(2) or 1)
+    if name.lower() == "cpu":
         return _cpu(count)
     from ..backends.targets import TARGETS, get_target
     from ..errors import PuzzlekitError
 
     try:
-        target = get_target(name)
+        target = get_target(name.lower() if name.lower() in TARGETS else name)  # a built-in name, or a target file
     except PuzzlekitError:
         gpus = sorted(n for n, t in TARGETS.items() if t.kind == "gpu" and t.devices == 1)
         raise UsageError(f"--hardware {text!r}: unknown GPU {name!r}; known: {', '.join(gpus)} (or a target file), "
@@ -99,13 +100,14 @@ def _visible(device: str) -> Hardware:
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if device == "cpu" or not torch.cuda.is_available():
         return _cpu(world)
-    from ..backends.targets import TARGETS, Target
+    from ..backends.targets import TARGETS
 
     props = torch.cuda.get_device_properties(0)
     name = props.name.lower()
     known = next((t for n, t in TARGETS.items() if t.kind == "gpu" and t.devices == 1 and n in name), None)
-    target = known or Target(name, "gpu", props.total_memory, 2e12, {"bf16": 5e14})
-    return Hardware(f"{world} x {name}", "gpu", world, int(props.total_memory), target)
+    if known is None:  # its memory as it reports it, an H100's rates (said in its name)
+        known, name = dataclasses.replace(TARGETS["h100"], name=name), f"{name} (rates: an H100's)"
+    return Hardware(f"{world} x {name}", "gpu", world, int(props.total_memory), known)
 
 
 class Rates:
@@ -150,9 +152,8 @@ class Rates:
             if self.hw.kind == "cpu" and not prog.is_meta:
                 node = max(prog.blocks(), key=lambda n: n.op.param_count())
                 start = time.perf_counter()
-                read = [t.float() for t in prog.node_weights(node).values()]
-                self._read = 4.0 * node.op.param_count() / (time.perf_counter() - start)
-                del read
+                nbytes = sum(t.float().nbytes for t in prog.node_weights(node).values())
+                self._read = nbytes / (time.perf_counter() - start)
         return self._read
 
     def _gemm_rate(self) -> float:
@@ -173,7 +174,9 @@ class Rates:
 _TIMED = {"mamba2", "moe", "attention", "mlp", "linear", "noop"}
 
 
+@functools.lru_cache(maxsize=4096)
 def _flops(op, rows: int, seq: int) -> float:
+    """A forward's FLOPs as the cost model counts them (once per op and shape: an MoE's count walks its experts)."""
     if op.kind == "lm_head":
         return 2 * rows * seq * op.hidden * op.vocab
     w = op.work(rows, seq, 0, False, 2, 4, 2)

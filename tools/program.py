@@ -44,6 +44,7 @@ def run(args) -> int:
     from ..passes import Instrumentation, PassManager, parse_pipeline, print_pipeline, resolve_pipeline
     from ..passes.pipeline import PipelineSyntaxError
     from .default_model import model_path
+    from .estimate import check_before_run
 
     load_plugins(args.plugin)
     compute_of(args)
@@ -52,17 +53,12 @@ def run(args) -> int:
     except PipelineSyntaxError as e:
         raise UsageError(str(e)) from None
     src = model_path(args.model).resolve()
-    if getattr(args, "estimate", False):  # from the config and the options alone: no output, no text
-        from .. import ir
-        from .estimate import check_before_run
-
+    if args.estimate:  # from the config and the options alone: no output, no text
         check_before_run(args, passes, ir.load(src))
         return 0
     need = sum(f.stat().st_size for f in src.glob("*.safetensors")) if src.is_dir() else 0  # about the output's
     out = check_output(args.output, [src, *(args.data or [])], args.overwrite, need)  # before the work, not after
     prog = load_model(args, text=reads_text(passes))
-    from .estimate import check_before_run
-
     check_before_run(args, passes, prog)  # a stage that cannot fit: refused before any work
     if reads_text(passes):  # every held-out set the passes draw windows from, before any of them runs
         from ..text.data import corpus_for
