@@ -256,9 +256,12 @@ def distill(ctx: Context, p) -> Stage:
     fixes.append(f"a smaller batch per process (accumulate=N, or batch below {p.batch}) or a shorter seq "
                  f"(now {p.seq})")
     name = "distill (MTP head)" if p.head_only else "distill"
+    # at the end the trained weights are copied whole into the program (host memory, spilled past a quarter of
+    # the budget) while the student and its optimizer are still held
+    handed_back = {"trained weights handed back": min(4.0 * trainable, ctx.budget / 4)}
     return ctx.stage(name, memory, p.steps * step + eval_s, fixes,
                      [f"{rows} row(s) of {p.seq} tokens per micro-batch per process; "
-                      f"{'fsdp' if fsdp else 'replicated (ddp)'} over {world} process(es)"])
+                      f"{'fsdp' if fsdp else 'replicated (ddp)'} over {world} process(es)"], host=handed_back)
 
 
 # -- the MTP check ---------------------------------------------------------------------------------------------------

@@ -124,8 +124,10 @@ def test_fsdp_divides_the_state_by_the_processes():
         assert d["fsdp"][part] == pytest.approx(d["ddp"][part] / 16 + gathered, rel=1e-12)
 
 
-def test_one_h100_says_what_cannot_fit_and_the_run_is_refused(capsys, tmp_path):
-    args = ["compress", SUPER, "--hardware", "h100:1", "--target", "8xb200", "--speedup", "2", "-o", tmp_path / "r"]
+def test_one_h100_says_what_cannot_fit_and_the_run_is_refused(capsys, tmp_path, subword):
+    """(Super's config with a tokenizer whose ids fit its vocabulary: the run is refused for its memory alone.)"""
+    args = ["compress", SUPER, "--hardware", "h100:1", "--target", "8xb200", "--speedup", "2", "-o", tmp_path / "r",
+            "--tokenizer", subword.tokenizer_dir]
     code, out, _ = cli(capsys, *args, "--estimate", "--json")
     assert code == 0
     stages = {s["stage"]: s for s in json.loads(out)["stages"]}

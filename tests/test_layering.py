@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"errors": 0, "outputs": 0, "memory": 0, "eta": 0, "ir": 1, "text": 1, "backends": 2, "evaluation": 2, "training": 2,
-          "passes": 3, "tools": 4}
+          "passes": 3, "estimate": 3, "tools": 4}
 
 
 def imported_packages(text: str, rel: Path) -> list[tuple[int, str]]:

@@ -150,6 +150,11 @@ def compress(args, progress: bool = True) -> dict:
     from ..passes.puzzle.engines import get_engine
 
     parent = ir.load(src)  # its config and index: the weights are read when used
+    if not args.estimate:  # a subword model without its tokenizer: refused first (the estimate needs none)
+        from ..text.tokenizer import set_tokenizer, tokenizer_of
+
+        set_tokenizer(parent, args.tokenizer)
+        tokenizer_of(parent)
     get_engine(args.engine).check_parent(parent)  # a head no child of which the engines serve: before the library
     if _check_before_run(args, parent, out):
         return {}
@@ -181,12 +186,9 @@ def _check_before_run(args, parent, out: Path) -> bool:
 
 
 def _text(args, parent):
-    """The parent's tokenizer (refused before any work when a subword model has none) and the data, checked to read
-    and tokenized once (cached on disk): every stage reads it."""
+    """The data, checked to read and tokenized once (cached on disk): every stage reads it."""
     from ..text.data import corpus_for
-    from ..text.tokenizer import set_tokenizer
 
-    set_tokenizer(parent, args.tokenizer)
     return corpus_for(parent, args.data, progress=not args.json and sys.stderr.isatty())
 
 

@@ -45,13 +45,14 @@ def run_library(args) -> int:
 
     compute = compute_of(args)
     prog = load_model(args)
-    weightless = prog.is_meta and not args.estimate  # a bare config's library: sizes only, nothing to check
-    if not weightless and check_before_run(args, library_passes(args), prog, writes=False, announce=True):
-        return 0  # --estimate: printed
-    if not prog.is_meta:  # a weightless library (a bare config) reads no text: no tokenizer needed
+    if args.estimate:  # from the config and the options alone
+        check_before_run(args, library_passes(args), prog, writes=False)
+        return 0
+    if not prog.is_meta:  # a weightless library (a bare config) reads no text and has no stage to check
         from ..text.data import corpus_for, require_windows
 
         require_windows(corpus_for(prog, args.data or None), "scoring", args.seq + 1, "library --seq")
+        check_before_run(args, library_passes(args), prog, writes=False, announce=True)
     settings = LibrarySettings(calib_windows=args.calib_windows, score_windows=args.score_windows, seq=args.seq,
                                bld_tokens=args.bld_tokens, bld_lr=args.bld_lr, data=list(args.data or []))
     start = time.monotonic()
