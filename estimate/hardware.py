@@ -184,8 +184,8 @@ def _flops(op, rows: int, seq: int) -> float:
 
 
 def _least_seconds(run, repeats: int) -> float:
-    """The least of `repeats` timed runs after two untimed: the work's own time, whatever else the machine does."""
-    run()
+    """The least of `repeats` timed runs after an untimed one: the work's own time, whatever else the machine
+    does."""
     run()
     best = float("inf")
     for _ in range(repeats):
@@ -210,6 +210,6 @@ def _time_block(op, rows: int, seq: int, train: bool) -> float:
 
         def run():
             m(x)[0].square().mean().backward()
-        return _least_seconds(run, 3)
+        return _least_seconds(run, 2)
     with torch.no_grad():
-        return _least_seconds(lambda: m(x), 3)
+        return _least_seconds(lambda: m(x), 2)

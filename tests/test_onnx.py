@@ -310,6 +310,7 @@ def test_weight_quantized_layers_traced_once_are_lowered_with_their_own_weights(
         assert inits[f"m.backbone.layers.{layer}.mixer.in_proj.weight.q"].raw_data == q.data.numpy().tobytes()
 
 
+@pytest.mark.slow  # 24 s; the FP8 export against onnxruntime stays in the default suite
 def test_fp8_layers_traced_once_quantize_their_inputs_by_their_own_scales(tmp_path, monkeypatch):
     """Static activation scales are each module's own tensor, so an FP8 W8A8 program is traced once per distinct
     layer too; every layer's QuantizeLinear reads its own calibrated scale, and onnxruntime computes what torch

@@ -143,7 +143,7 @@ def test_the_byte_model_figures_do_not_change(capsys):
     assert abs(res["unigram_bits_per_byte"] - 5.028434238239282) < 1e-6
 
 
-@pytest.mark.parametrize("backend", ["torch", "onnx"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("onnx", marks=pytest.mark.slow)])  # onnx: 16 s
 def test_generate_equals_transformers_greedy(subword, capsys, backend, tmp_path, monkeypatch):
     monkeypatch.setenv("PUZZLEKIT_CACHE", str(tmp_path))
     prompt = "def main(argv):\n    "

@@ -333,6 +333,7 @@ def test_few_shot_counts_are_checked_before_any_model_runs(subword, tasks, tmp_p
     assert sha(tasks) == before
 
 
+@pytest.mark.slow  # an edge of lm-eval's hf model (13 s)
 def test_an_answer_longer_than_the_context_is_refused_as_the_hf_model_does(subword, tasks, capsys):
     pytest.importorskip("lm_eval")
     long = " ".join(str(i) for i in range(6000))
