@@ -298,6 +298,7 @@ def test_each_distinct_layer_is_traced_once_and_the_graph_stitched_from_copies(t
     assert dims["present.backbone.layers.10.k"] == ["batch", 2, "past_sequence + 1", 32]
 
 
+@pytest.mark.slow  # 15 s; tracing each distinct layer once stays in the default suite
 def test_weight_quantized_layers_traced_once_are_lowered_with_their_own_weights(tmp_path):
     """The stitched graph names each layer's weights as the whole-program export does, so the quantized lowering
     finds every layer's own FP4 values and scales."""
