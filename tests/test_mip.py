@@ -234,3 +234,29 @@ def test_full_scale_instance_solves_to_optimality():
     assert sol.status == "optimal" and time.perf_counter() - t0 < 10
     assert all(sol.totals[r] <= lim for r, lim in limits.items()) and sol.totals["params"] >= p.lower["params"]
     assert len(set(labels[sol.choice[:40]])) == 1
+
+
+def test_dominated_options_are_those_another_of_their_layer_and_label_beats_on_every_count():
+    from puzzlekit.passes.puzzle.mip import _constraints, _dominated
+
+    # layer 0: option 1 is beaten by option 0 (score and cost); option 2 ties option 0 exactly (later index);
+    # option 3 is cheaper in cost but worse in score (kept); option 4 would be beaten but has another label
+    p = Problem(layer=[0, 0, 0, 0, 0, 1, 1], score=np.array([1.0, 2.0, 1.0, 3.0, 5.0, 0.0, 0.0]),
+                costs={"t": np.array([2.0, 2.0, 2.0, 1.0, 9.0, 1.0, 1.0]), "q": np.array([5.0, 5, 5, 5, 5, 5, 4])},
+                limits={"t": 10.0}, lower={"q": 1.0}, uniform={"g": ["a", "a", "a", "a", "b", "a", "b"]})
+    assert _dominated(p, p.score, _constraints(p)).tolist() == [False, True, True, False, False, False, False]
+
+
+@PROPERTY
+@given(problems(), st.sampled_from([-1.0, -1e-3, 0.0, 1e-3, 1.0]))
+def test_a_choice_below_a_score_to_beat_is_the_optimum_and_none_is_found_when_none_exists(p, delta):
+    ok = feasible(p)
+    if not ok:
+        return
+    best = min(total(p.score, c) for c in ok)
+    beat = best + delta * max(1.0, abs(best))
+    sols = solve(p, beat=beat)
+    if best < beat - 1e-6 * max(1.0, abs(beat)):  # a choice beats it: the optimum is found
+        assert len(sols) == 1 and close(sols[0].objective, best) and meets(p, sols[0].choice)
+    else:  # none beats it: nothing, or a choice that does not beat it either
+        assert not sols or sols[0].objective >= beat - 1e-6 * max(1.0, abs(beat))

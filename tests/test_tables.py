@@ -117,6 +117,29 @@ def test_the_experts_price_falls_with_top_k_and_width_where_the_librarys_own_bor
     assert borrow(11) > 0.95 * borrow(22)  # why the library's own transfer is not used for the experts
 
 
+@pytest.mark.parametrize("layout", ["tp4.r2", "tp8.ep8", "tp2.dp4.ep8"])
+def test_a_cut_layers_experts_never_cost_more_than_a_wider_or_higher_top_k_one(layout):
+    """Off the tables every cut of one layer is priced from one measured shape: fewer experts per token or a
+    narrower d_ff never costs more (a cut once flipped to another model's measurement and cost 1.6x)."""
+    prog, t = ir.load(config_path(SUPER)), get_target("8xb200")
+    cm = CostModel(prog, t, get_scenario("decode-heavy", recipe="nvfp4-hybrid", layout=layout), TablesProvider(t))
+    n = next(n for n in prog.nodes if n.op.kind == "moe")
+    ks, widths = (4, 8, 11, 13, 16, 22), (1280, 1792, 2304, 2688)
+    price, anchors = {}, set()
+    for k in ks:
+        for f in widths:
+            cut = n.op.__class__(**{**n.op.__dict__, "top_k": k, "d_ff": f})
+            (s, src), = [(s, src) for p, s, src in cm.provider.explain(cut, cm.precisions[n.path], None, 96, 1, 40960,
+                                                                       True, cm.deployment) if p == "experts"]
+            price[k, f] = s
+            anchors.add(src.split(";")[0] if src.startswith("measured at") else "the shape itself")
+    assert len(anchors) <= 2, anchors  # the layer's own measured shape, or one nearest to it
+    for k, f in price:
+        for k2, f2 in price:
+            if k <= k2 and f <= f2:
+                assert price[k, f] <= price[k2, f2] * (1 + 1e-9), (layout, (k, f), (k2, f2))
+
+
 def test_a_decode_step_never_gets_cheaper_as_the_batch_grows():
     prog, t = ir.load(config_path(SUPER)), get_target("8xb200")
     for layout in ("tp8.ep8", "tp2.dp4.ep8"):
@@ -153,3 +176,35 @@ def test_cost_explain_names_the_provider_and_each_parts_source(capsys):
     assert out["explain"]["decode_seconds"] == pytest.approx(out["decode_step_seconds"], rel=0.02)
     plain = json.loads(run_cli(capsys, "cost", NANO, "--target", "b200", "--prices", "analytic", "--explain", "--json"))
     assert plain["prices"]["provider"] == "analytic" and {r["source"] for r in plain["explain"]["decode"]} == {OURS}
+
+
+def test_prices_are_kept_between_runs_and_never_read_across_a_changed_identity(tmp_path, monkeypatch):
+    from puzzlekit.backends.cost import price_cache
+    from puzzlekit.backends.cost.analytic import Efficiency
+
+    monkeypatch.setenv("PUZZLEKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(price_cache, "_OPEN", {})
+    prog, t = ir.load(config_path(SUPER)), get_target("8xb200")
+    shapes = [(b, 1, 40960, True) for b in (1, 7, 64, 300)] + [(1, 8192, 0, False)]
+
+    def prices(eff=None):
+        cm = CostModel(prog, t, get_scenario("decode-heavy", recipe="nvfp4-hybrid", layout="tp4.r2"),
+                       TablesProvider(t, efficiency=eff))
+        out = [cm.provider.seconds(n.op, cm.precisions[n.path], None, *sh, cm.deployment)
+               for n in prog.nodes for sh in shapes]
+        return out, cm.provider
+
+    first, p1 = prices()
+    assert p1._priced  # priced from the tables
+    p1.kept.save()
+    assert len(list((tmp_path / "prices").glob("*.json"))) == 1
+    monkeypatch.setattr(price_cache, "_OPEN", {})  # a new process
+    again, p2 = prices()
+    assert again == first and not p2._priced  # read back, nothing priced again
+    monkeypatch.setattr(price_cache, "_OPEN", {})
+    _, p3 = prices(Efficiency(mamba_memory=0.5))  # another constant: another file, priced afresh
+    assert p3._priced and p3.kept.path != p2.kept.path
+    p2.kept.path.write_text("{not json")
+    monkeypatch.setattr(price_cache, "_OPEN", {})
+    broken, p4 = prices()
+    assert broken == first and p4._priced  # an unreadable file is priced again

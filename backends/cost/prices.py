@@ -27,7 +27,7 @@ def default_prices() -> str:
 
 def tables_cover(target: Target) -> str:
     """Why the measured tables cannot price `target` here ("" when they can)."""
-    from .tables import missing, system_of
+    from .tables_db import missing, system_of
 
     if not system_of(target):
         return f"the measured tables have no {target.name}"

@@ -8,28 +8,22 @@ What the tables do not measure is priced by puzzlekit's own terms (the analytic 
 state's traffic), noop and linear blocks, the MTP head's fusion, precisions a GPU's tables lack (NVFP4 on
 Hopper, weight-only formats). A routed-expert shape off the tables is priced at the nearest measured shape,
 scaled by puzzlekit's grouped-GEMM term (the library's own borrow keeps the time of a measured top-k whatever
-the top-k). The library is imported here only, when a provider is made: it is an optional extra.
+the top-k). The tables themselves (loading, measured shapes, evaluation) are tables_db.py's; prices are kept
+between runs (price_cache.py).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from functools import lru_cache
 
 from ...errors import PuzzlekitError
-from ...outputs import cache_dir, write_text
 from ..layout import Layout
 from ..targets import Target
 from .analytic import AnalyticProvider, Efficiency
 from .precision import BYTES, MATH
+from .price_cache import kept_prices
 from .provider import Deployment, PricedAhead
+from .tables_db import DATABASES, LIBRARY_VERSION, MODE, SYSTEMS, Tables, missing, system_of
 
-#: the library version and databases the prices are pinned to (a plan made with them is reproducible)
-LIBRARY_VERSION = "0.12.0"
-DATABASES = {"trtllm": "1.3.0rc20", "vllm": "0.24.0", "sglang": "0.5.14"}
-MODE = "HYBRID"  # measured where a table has the shape; the library's labelled transfer elsewhere
-SYSTEMS = {"h100": "h100_sxm", "h200": "h200_sxm", "b200": "b200_sxm"}
 #: engine profile -> the tables of the engine serving it (`all`: TensorRT-LLM's, the most complete for NemotronH)
 BACKENDS = {"tensorrt-llm": "trtllm", "vllm": "vllm", "sglang": "sglang", "all": "trtllm", "none": "trtllm"}
 #: puzzlekit's own terms beside the tables: the Mamba-2 state update's efficiency is set on the calibration set
@@ -41,41 +35,6 @@ MEASURED, BORROWED, ROOFLINE, EMPIRICAL, ESTIMATED, OURS = (
     "measured", "borrowed from a nearby shape", "roofline", "empirical formula", "estimated from measured parts",
     "puzzlekit's term")
 _SOURCE = {"silicon": MEASURED, "mixed": MEASURED, "sol": ROOFLINE, "empirical": EMPIRICAL, "estimated": ESTIMATED}
-
-
-def missing() -> str:
-    """Why the tables cannot be used here ("" when they can): the extra not installed, or another version."""
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-        have = version("aiconfigurator-core")
-    except PackageNotFoundError:
-        return "aiconfigurator-core is not installed (pip install 'puzzlekit[tables]')"
-    if have != LIBRARY_VERSION:
-        return (f"aiconfigurator-core {have} is installed; the prices are pinned to {LIBRARY_VERSION} "
-                f"(pip install 'puzzlekit[tables]')")
-    return ""
-
-
-def system_of(target: Target) -> str:
-    """The tables' system for a GPU target ("" when none): h100, h200, b200 and their nodes."""
-    return SYSTEMS.get(target.name.split("x", 1)[-1] if target.devices > 1 else target.name, "") \
-        if target.kind == "gpu" else ""
-
-
-@lru_cache(maxsize=None)
-def _handle(system: str, backend: str):
-    """One database view and pricing handle per system and engine (a second load costs nothing)."""
-    import logging
-
-    from aiconfigurator_core.sdk import perf_database
-    from aiconfigurator_core.sdk.engine import EngineHandle
-
-    logging.getLogger("aiconfigurator_core").setLevel(logging.ERROR)  # its notes on fallback rows
-    db = perf_database.get_database_view(system, backend, DATABASES[backend], database_mode=MODE)
-    if db is None:
-        raise PuzzlekitError(f"aiconfigurator-core {LIBRARY_VERSION} has no {backend} {DATABASES[backend]} "
-                             f"tables for {system}; price with --prices analytic")
-    return db, EngineHandle.for_database(db, systems_path=db.systems_root)
 
 
 #: the decode curves' batches (requests per attention group): every one to 8, then 2^(1/4) apart, to 2^20
@@ -109,7 +68,12 @@ _ROLES = {
 
 
 def _formats(op, precisions: dict) -> tuple:
-    """The storage formats a block's parts compute in (a handful of lookups, not its thousand parameters)."""
+    """The storage formats a block's parts compute in (a handful of lookups, not its thousand parameters); for
+    the MTP head, its fusion's and each of its blocks'."""
+    if op.kind == "mtp":
+        return (("eh_proj", precisions.get("layers.0.eh_proj.weight", "bf16")),) + tuple(
+            (f"{i}.{role}", precisions.get(f"layers.{i}.{name}", "bf16")) for i, blk in enumerate(op.blocks)
+            for role, name in _ROLES.get(blk.kind, {}).items())
     return tuple((role, precisions.get(name, "bf16")) for role, name in _ROLES.get(op.kind, {}).items())
 
 
@@ -133,14 +97,20 @@ class TablesProvider(PricedAhead):
                        errors.MissingSystemFlopsError, errors.InterpolationDataNotAvailableError,
                        errors.SolNotImplementedError)
         self.target, self.engine, self.backend = target, engine, BACKENDS[engine]
-        self.db, self.handle = _handle(self.system, self.backend)
+        self.tables = Tables(self.system, self.backend)
         self.own = AnalyticProvider(target, efficiency or TABLE_EFFICIENCY)
         self._parts: dict = {}  # (op, formats, decode, deployment) -> its parts
         self._priced: dict = {}  # (parts key, batch, s, prefix) -> [(part, seconds, source)], or why not
-        self._anchors: dict = {}
+        self._anchor_term: dict = {}  # (anchor spec, tokens, deployment) -> puzzlekit's term there
         self._expert_prec: dict = {}
-        self._shapes = None
         self._curves: dict = {}  # (op, formats, routing, tokens, context, deployment) -> running maxima on _GRID
+        self._steps: dict = {}  # (op, formats, routing, batch, tokens, context, deployment) -> a prefill's seconds
+        self.kept = kept_prices(f"tables-{self.system}-{self.backend}", repr((
+            LIBRARY_VERSION, DATABASES[self.backend], MODE, self.target, self.own.eff)))
+
+    @property
+    def handle(self):
+        return self.tables.handle
 
     def describe(self) -> dict:
         """What the prices came from: recorded in plan.json and printed by `cost` and the report."""
@@ -158,17 +128,28 @@ class TablesProvider(PricedAhead):
         linear between them. The tables interpolate their own grids, which dips by ~1% past some knots, and
         the search's batch bisection needs time that does not fall as the batch grows."""
         if not decode:
-            return self._sum(op, precisions, routing, batch, tokens, context, decode, d)
+            key = (op, _formats(op, precisions), None if routing is None else tuple(routing), batch, tokens,
+                   context, d)
+            if key not in self._steps:
+                kept = self.kept.get(key)
+                self._steps[key] = kept if kept is not None else \
+                    self._sum(op, precisions, routing, batch, tokens, context, decode, d)
+                self.kept.put(key, self._steps[key])
+            return self._steps[key]
         L = d.layout
         b = L.requests_per_group(batch)
         i = _grid_index(b)
         lo, hi = _GRID[i], _GRID[min(i + 1, len(_GRID) - 1)]
         key = (op, _formats(op, precisions), None if routing is None else tuple(routing), tokens, context, d)
-        curve = self._curves.setdefault(key, [])
-        while len(curve) <= min(i + 1, len(_GRID) - 1):  # the running maximum, grid point by grid point
-            g = _GRID[len(curve)]
-            curve.append(max(curve[-1] if curve else 0.0,
-                             self._sum(op, precisions, routing, g * L.dp, tokens, context, True, d)))
+        curve = self._curves.get(key)
+        if curve is None:
+            curve = self._curves[key] = list(self.kept.get(key) or [])
+        if len(curve) <= min(i + 1, len(_GRID) - 1):
+            while len(curve) <= min(i + 1, len(_GRID) - 1):  # the running maximum, grid point by grid point
+                g = _GRID[len(curve)]
+                curve.append(max(curve[-1] if curve else 0.0,
+                                 self._sum(op, precisions, routing, g * L.dp, tokens, context, True, d)))
+            self.kept.put(key, curve)
         if b == lo or hi == lo:
             return curve[i] * b / lo if b > lo else curve[i]  # past the grid: in proportion
         return curve[i] + (curve[i + 1] - curve[i]) * (b - lo) / (hi - lo)
@@ -264,7 +245,7 @@ class TablesProvider(PricedAhead):
             make = lambda k, e, w_, f, t, p: O.MoE(  # noqa: E731
                 "experts", 1, w_, f, k, e, t, p, mq, "power_law_1.01", L.dp, is_context=not decode, is_gated=False)
             shape = (op.top_k, op.experts, w, op.d_ff, moe_tp, moe_ep)
-            anchor = self._anchor(mq, shape)
+            anchor = self.tables.anchor(mq, shape)
             if anchor in (None, shape):
                 experts = make(*shape)
             else:  # the nearest measured shape, times puzzlekit's term at this shape over at that one
@@ -276,42 +257,18 @@ class TablesProvider(PricedAhead):
                 there = self._experts_at(e, fmt)
                 experts = ("scaled", anchor, make(*anchor),
                            lambda m: self.own._routed(op, here, None, m * L.dp, d)
-                           / max(self.own._routed(spec, there, None, m * L.dp, at), 1e-30))
+                           / max(self._term_at(spec, there, m * L.dp, at), 1e-30))
             parts += [dispatch("moe_pre_dispatch", True), ("experts", experts), dispatch("moe_post_dispatch", False)]
         if op.latent:
             parts.append(gemm("fc2_latent", h, op.latent // tp, low_precision_input=True))
         return parts + [ar]
 
-    def _anchor(self, mq, shape: tuple):
-        """The nearest (top-k, experts, width, d_ff, moe tp, moe ep) the experts' table measures in this format
-        (log distance, the layout weighing most), or None when it measures none in it."""
-        if mq not in self._anchors:
-            self._anchors[mq] = [tuple(s) for s in self._measured_shapes().get(mq.name, [])]
-        weight = (1, 1, 1, 1, 4, 4)
-        return min(self._anchors[mq], default=None, key=lambda s: (
-            sum(c * abs(math.log(a / b)) for c, a, b in zip(weight, s, shape)), s))
-
-    def _measured_shapes(self) -> dict:
-        """Per MoE format every shape the experts' table measures: read once per library version, database and
-        GPU (loading the table in Python takes seconds) and kept beside puzzlekit's other caches."""
-        if self._shapes is None:
-            path = cache_dir("tables") / (f"moe-shapes-{LIBRARY_VERSION}-{self.system}-{self.backend}-"
-                                          f"{DATABASES[self.backend]}.json")
-            try:
-                self._shapes = json.loads(path.read_text())
-            except (OSError, ValueError):
-                from aiconfigurator_core.sdk.operations.moe import MoE
-
-                MoE.load_data(self.db)
-                table = getattr(self.db, "_moe_data", None) or {}
-                self._shapes = {q.name: sorted({(k, e, w, f, t, p) for dist in by_q.values()
-                                                for k, by_e in dist.items() for e, by_w in by_e.items()
-                                                for w, by_f in by_w.items() for f, by_t in by_f.items()
-                                                for t, by_p in by_t.items() for p, rows in by_p.items() if rows})
-                                for q, by_q in table.items()}
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_text(path, json.dumps(self._shapes))
-        return self._shapes
+    def _term_at(self, spec, precisions: dict, tokens: int, at: Deployment) -> float:
+        """puzzlekit's grouped-GEMM term at an anchor: shared by every cut priced from it."""
+        key = (spec, id(precisions), tokens, at)
+        if key not in self._anchor_term:
+            self._anchor_term[key] = self.own._routed(spec, precisions, None, tokens, at)
+        return self._anchor_term[key]
 
     def _experts_at(self, experts: int, fmt: str) -> dict:
         """Every routed expert's parameters in one format (puzzlekit's term reads them by name)."""
@@ -341,26 +298,23 @@ class TablesProvider(PricedAhead):
     # -- pricing ------------------------------------------------------------------------------------------------
     def _evaluate(self, parts, decode: bool, batch_size: int, s: int, prefix: int, d: Deployment) -> list:
         """Each part's seconds and source: the table ops in one call, the experts in their own (their
-        provenance says whether the table had the shape)."""
-        from aiconfigurator_core.sdk.engine import build_ops_json
-
+        provenance says whether the table had the shape; an anchor's price is shared by every cut of it)."""
         m = batch_size if decode else batch_size * s  # tokens of one attention group
-        run = lambda ops: self.handle.evaluate_ops_json(  # noqa: E731
-            build_ops_json(ops), is_context=not decode, batch_size=batch_size, s=s, prefix=prefix)
-        table = [(i, o) for i, (name, o) in enumerate(parts) if not isinstance(o, tuple) and name != "experts"]
+        shape = (not decode, batch_size, s, prefix)
+        table, singles = self.tables.ops_json(parts)
         out = [None] * len(parts)
-        for (i, _), (_, ms, _, src) in zip(table, run([o for _, o in table]) if table else []):
+        for i, (_, ms, _, src) in zip(table[0], self.tables.run(table[1], shape) if table[0] else []):
             out[i] = (parts[i][0], ms / 1e3, _SOURCE.get(src, src))
         for i, (name, o) in enumerate(parts):
             if out[i] is not None:
                 continue
             if not isinstance(o, tuple):  # the experts at their own shape
-                (_, ms, _, src), = run([o])
-                out[i] = (name, ms / 1e3, BORROWED if self.handle.last_provenance() else _SOURCE.get(src, src))
+                (_, ms, _, src), borrowed = self.tables.run_one(singles[i], shape)
+                out[i] = (name, ms / 1e3, BORROWED if borrowed else _SOURCE.get(src, src))
             elif o[0] == "own":
                 out[i] = (name, o[1](m), OURS)
             else:  # ("scaled", anchor, its op, ratio)
-                (_, ms, _, src), = run([o[2]])
+                (_, ms, _, src), _ = self.tables.run_one(singles[i], shape)
                 k, e, w, f, t, p = o[1]
                 out[i] = (name, ms / 1e3 * o[3](m), f"measured at top-{k} of {e} experts, width {w}, d_ff {f}, "
                           f"moe tp{t}.ep{p}; scaled by puzzlekit's term")
@@ -371,8 +325,10 @@ class TablesProvider(PricedAhead):
         L = d.layout
         b = L.requests_per_group(batch)
         fmt = precisions.get("layers.0.eh_proj.weight", "bf16")
-        fusion = [("mtp.eh_proj", self._gemm("eh_proj", op.hidden // L.tp, 2 * op.hidden, fmt, d))]
-        out = self._evaluate(fusion, decode, *_call(b, tokens, context, decode), d)
+        key = ("mtp.eh_proj", op.hidden, fmt, d)
+        if key not in self._parts:
+            self._parts[key] = [("mtp.eh_proj", self._gemm("eh_proj", op.hidden // L.tp, 2 * op.hidden, fmt, d))]
+        out = self._evaluate(self._parts[key], decode, *_call(b, tokens, context, decode), d)
         for i, blk in enumerate(op.blocks):
             sub = {k.split(".", 2)[2]: v for k, v in precisions.items() if k.startswith(f"layers.{i}.")}
             out += [(f"mtp.{name}", s, src) for name, s, src in

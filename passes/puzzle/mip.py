@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import csr_array
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+from scipy.sparse import csr_array, vstack
 
 from ..core import PassError
 from .mip_problem import Binding, Infeasible, Problem, Solution, TimedOut
@@ -47,11 +47,13 @@ class _Run(NamedTuple):
 
 
 def solve(problem: Problem, n_solutions: int = 1, min_distance: int = 1, time_limit: float = 60.0,
-          mip_rel_gap: float = 1e-9, seconds: float = math.inf) -> list[Solution]:
+          mip_rel_gap: float = 1e-9, seconds: float = math.inf, beat: float | None = None) -> list[Solution]:
     """The best choice, then up to n_solutions - 1 next best ones, each differing from every earlier one in
     at least `min_distance` layers (Puzzle's diversity constraint). Fewer come back when no more exist, a
     later run times out without a solution, or the call has run `seconds` (runners-up are only sought
     within that budget). `time_limit` is in seconds per HiGHS run.
+    With `beat` (a score found elsewhere, e.g. at another batch), only a first choice scoring below it is sought
+    ([] when there is none): options the LP relaxation's reduced costs rule out are fixed first (`_beating`).
     Raises Infeasible (with a diagnosis) or TimedOut when there is no first solution."""
     if n_solutions < 1 or min_distance < 1:
         raise PassError(f"solve needs n_solutions >= 1 and min_distance >= 1, got {n_solutions}, {min_distance}")
@@ -62,9 +64,10 @@ def solve(problem: Problem, n_solutions: int = 1, min_distance: int = 1, time_li
         if found and time.perf_counter() - start >= seconds:
             break
         cuts = [(s.choice, problem.n_layers - min_distance) for s in found]
-        run = _optimise(problem, problem.score, active, cuts, time_limit, mip_rel_gap)
+        run = _optimise(problem, problem.score, active, cuts, time_limit, mip_rel_gap, prune=not found,
+                        beat=None if found else beat)
         if run.choice is None:
-            if found:
+            if found or (beat is not None and run.status in ("infeasible", "none better")):
                 break
             if run.status == "infeasible":
                 raise _diagnose(problem, time_limit)
@@ -103,17 +106,29 @@ def _constraints(p: Problem) -> list[_Con]:
             + [_Con(">=", r) for r in p.lower])
 
 
-def _optimise(p: Problem, objective, active, cuts, time_limit, gap) -> _Run:
-    """Minimise `objective` under `active` and `cuts` (choice, most layers it may share); verified exactly."""
+def _optimise(p: Problem, objective, active, cuts, time_limit, gap, prune: bool = True,
+              beat: float | None = None) -> _Run:
+    """Minimise `objective` under `active` and `cuts` (choice, most layers it may share); verified exactly.
+    With `prune`, options another option of their layer dominates are fixed to 0 first (`_dominated`): the
+    optimum stays, and HiGHS branches over far fewer (runners-up under diversity cuts are sought unpruned).
+    With `beat`, so are the options no choice scoring below it can use (status "none better" if none can)."""
     t0 = time.perf_counter()
     cuts = list(cuts)
-    reduced, _ = _reduce(p, objective)
+    reduced, base = _reduce(p, objective)
     top = reduced.max() if reduced.max() > 0 else 1.0
     c = np.zeros(p._n_vars)
     c[:reduced.size] = reduced / top * _OBJECTIVE_SCALE
+    upper = np.ones(p._n_vars)
+    if prune:
+        upper[:reduced.size][_dominated(p, objective, active)] = 0.0
+    if beat is not None:
+        fixed = _beating(c, upper, _rows(p, active, cuts), (beat - base) / top * _OBJECTIVE_SCALE)
+        if fixed is None:
+            return _Run(None, "none better", math.inf, time.perf_counter() - t0)
+        upper[fixed] = 0.0
     for _ in range(_RETRIES):
         with _native_stdout_to_stderr():
-            res = milp(c, integrality=np.ones(p._n_vars), bounds=Bounds(0, 1), constraints=_rows(p, active, cuts),
+            res = milp(c, integrality=np.ones(p._n_vars), bounds=Bounds(0, upper), constraints=_rows(p, active, cuts),
                        options={"time_limit": time_limit, "mip_rel_gap": gap})
         status = _STATUS.get(res.status, res.message)
         if res.x is None:
@@ -125,6 +140,46 @@ def _optimise(p: Problem, objective, active, cuts, time_limit, gap) -> _Run:
         cuts.append((choice, p.n_layers - 1))   # feasible only within HiGHS's tolerances: exclude, retry
     raise PassError(f"HiGHS returned {_RETRIES} choices that break the bounds in exact arithmetic; the costs or "
                     "bounds are numerically degenerate (e.g. near-zero cost differences)")
+
+
+def _dominated(p: Problem, objective: np.ndarray, active) -> np.ndarray:
+    """Options that another option of the same layer, with the same label in every active uniform group,
+    matches or beats on the objective and on every active bound (less of a "<=" resource, more of a ">="
+    one), strictly on one or, when equal on all, at a lower index: some optimum never needs them."""
+    cols = [objective] + [p.costs[c.name] * (1.0 if c.kind == "<=" else -1.0) for c in active if c.kind != "same"]
+    values = np.stack(cols, axis=1)
+    labels = np.stack([p._codes[c.name] for c in active if c.kind == "same"] or [np.zeros(p.layer.size, np.int64)],
+                      axis=1)
+    out = np.zeros(p.layer.size, dtype=bool)
+    for m in p.members:
+        v, lab = values[m], labels[m]
+        le = (v[:, None, :] <= v[None, :, :]).all(2) & (lab[:, None, :] == lab[None, :, :]).all(2)  # i beats j
+        lt = (v[:, None, :] < v[None, :, :]).any(2) | np.tri(len(m), k=-1, dtype=bool).T[:, :]
+        np.fill_diagonal(le, False)
+        out[m] = (le & lt).any(0)
+    return out
+
+
+def _beating(c: np.ndarray, upper: np.ndarray, rows: LinearConstraint, beat: float) -> np.ndarray | None:
+    """Reduced-cost fixing: the LP relaxation's optimum z and each variable's reduced cost d_j at 0 bound every
+    choice using j from below by z + d_j, so where that is not below `beat` (with a margin of 1e-7 of the
+    objective's range, well inside the search's gap) j is of no use. None when even z is not below `beat`."""
+    A = rows.A.tocsr() if hasattr(rows.A, "tocsr") else csr_array(rows.A)
+    eq = rows.lb == rows.ub
+    up, lo = ~eq & np.isfinite(rows.ub), ~eq & np.isfinite(rows.lb)
+    with _native_stdout_to_stderr():
+        res = linprog(c, A_ub=vstack([A[up], -A[lo]]) if (up | lo).any() else None,
+                      b_ub=np.concatenate([rows.ub[up], -rows.lb[lo]]) if (up | lo).any() else None,
+                      A_eq=A[eq] if eq.any() else None, b_eq=rows.ub[eq] if eq.any() else None,
+                      bounds=np.stack([np.zeros_like(upper), upper], axis=1), method="highs")
+    if res.status == 2:  # the relaxation is infeasible: so is every choice
+        return None
+    if res.status != 0:
+        return np.zeros(c.size, dtype=bool)  # no reduced costs to trust: fix nothing
+    margin = 1e-7 * max(_OBJECTIVE_SCALE, abs(beat))
+    if res.fun >= beat - margin:
+        return None
+    return res.fun + res.lower.marginals >= beat + margin
 
 
 @contextmanager

@@ -245,7 +245,8 @@ class Search:
                 continue
             solved += 1
             pr = self.problem(spans)
-            sols = solve_by(self, method, pr, time_limit)
+            sols = solve_by(self, method, pr, time_limit,
+                            None if best is None else best[0][0].objective - self.GAP * abs(best[0][0].objective))
             if isinstance(sols, Infeasible):
                 failed = failed if failed and isinstance(failed[0], Infeasible) else (sols, pr)
                 continue

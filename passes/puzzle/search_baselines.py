@@ -84,12 +84,12 @@ def greedy_choice(search, pr: Priced) -> list[int] | None:
 BASELINES = {"uniform": uniform_choice, "greedy": greedy_choice}
 
 
-def solve_by(search, method, pr: Priced, time_limit):
+def solve_by(search, method, pr: Priced, time_limit, beat: float | None = None):
     """The exact problem's solutions (the MIP's best, or a baseline's choice), [] for a baseline that finds
-    none, or the Infeasible diagnosis."""
+    none or a MIP that finds none scoring below `beat`, or the Infeasible diagnosis."""
     if method == "mip":
         try:
-            return solve(pr.problem, 1, time_limit=time_limit)
+            return solve(pr.problem, 1, time_limit=time_limit, beat=beat)
         except Infeasible as e:
             return e
     choice = BASELINES[method](search, pr)
