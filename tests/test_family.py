@@ -169,7 +169,11 @@ def test_a_miniature_of_each_member_compresses_into_a_child_transformers_and_the
     assert bool(child.find("mtp")) == head == summary["mtp_head"]
     ran = summary["pipeline"]
     assert ("mtp-check" in ran) == ("head_only=true" in ran) == ("mtp-match-attention" in ran) == head
-    serve = (tmp_path / "run" / "bundle" / "serve.sh").read_text()
+    bundle = tmp_path / "run" / "bundle"
+    for where in (tmp_path / "run" / "model", bundle):  # the parent's tokenizer, byte for byte
+        assert (where / "tokenizer.json").read_bytes() == (d / "tokenizer.json").read_bytes(), where
+    assert "tokenizer.json" in json.loads((bundle / "build.json").read_text())["tokenizer_files"]
+    serve = (bundle / "serve.sh").read_text()
     assert ("--speculative-config" in serve) == head
     report = (tmp_path / "run" / "report" / "report.md").read_text()
     assert ("The model has no MTP head" in report) != head and ("## MTP acceptance length" in report) == head

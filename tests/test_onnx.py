@@ -34,7 +34,8 @@ def repeated_program():
     return random_weights(prog, seed=3, std=0.2)
 
 
-@pytest.fixture(scope="module", params=["default", "every-kind", "repeated"])
+#: every-kind is a subset of repeated (which adds a tied head): under slow
+@pytest.fixture(scope="module", params=["default", pytest.param("every-kind", marks=pytest.mark.slow), "repeated"])
 def exported(request, tmp_path_factory):
     prog = {"default": load_default, "every-kind": every_kind_program, "repeated": repeated_program}[request.param]()
     out = tmp_path_factory.mktemp("onnx") / request.param

@@ -121,6 +121,11 @@ def test_eval_tasks_prints_the_table_and_json(subword, tasks_dir, capsys):
     assert "pk_mc" in text and "acc" in text and "± stderr" in text
 
 
+def test_an_unknown_task_is_named_with_the_fix(tasks_dir):
+    assert main(["eval", "--tasks", "no_such_task_anywhere", "--include-path", str(tasks_dir)]) == 2
+
+
+@pytest.mark.slow  # a fresh interpreter indexes every lm-eval task: 15 s
 def test_a_task_whose_data_must_be_downloaded_offline_fails_in_one_line(tasks_dir, tmp_path):
     (tmp_path / "remote.yaml").write_text("task: pk_remote\ndataset_path: someone/some_dataset\ntest_split: test\n"
                                           "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: [a, b]\n"
@@ -132,4 +137,3 @@ def test_a_task_whose_data_must_be_downloaded_offline_fails_in_one_line(tasks_di
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert "task pk_remote" in last and "--include-path" in last, r.stderr[-2000:]
-    assert main(["eval", "--tasks", "no_such_task_anywhere", "--include-path", str(tasks_dir)]) == 2

@@ -18,12 +18,13 @@ from ...outputs import cache_dir, write_text
 
 #: the code the prices come from (relative to the package root)
 SOURCES = ("backends/cost", "backends/layout.py", "backends/targets.py", "ir/ops", "ir/quant")
+PACKAGE = Path(__file__).resolve().parent.parent.parent  # puzzlekit's own root: backends/cost/ is two below
 
 
 @lru_cache(maxsize=None)
 def code_digest() -> str:
     """A digest of the pricing code's text."""
-    root, h = Path(__file__).resolve().parents[2], hashlib.sha256()
+    root, h = PACKAGE, hashlib.sha256()
     for name in SOURCES:
         path = root / name
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
