@@ -162,8 +162,8 @@ def _dominated(p: Problem, objective: np.ndarray, active) -> np.ndarray:
 
 def _beating(c: np.ndarray, upper: np.ndarray, rows: LinearConstraint, beat: float) -> np.ndarray | None:
     """Reduced-cost fixing: the LP relaxation's optimum z and each variable's reduced cost d_j at 0 bound every
-    choice using j from below by z + d_j, so where that is not below `beat` (with a margin of 1e-7 of the
-    objective's range, well inside the search's gap) j is of no use. None when even z is not below `beat`."""
+    choice using j from below by z + d_j, so where that is not below `beat` j is of no use (a margin of 1e-7 of
+    the objective's range against rounding keeps every doubtful j). None when even z is not below `beat`."""
     A = rows.A.tocsr() if hasattr(rows.A, "tocsr") else csr_array(rows.A)
     eq = rows.lb == rows.ub
     up, lo = ~eq & np.isfinite(rows.ub), ~eq & np.isfinite(rows.lb)
@@ -177,7 +177,7 @@ def _beating(c: np.ndarray, upper: np.ndarray, rows: LinearConstraint, beat: flo
     if res.status != 0:
         return np.zeros(c.size, dtype=bool)  # no reduced costs to trust: fix nothing
     margin = 1e-7 * max(_OBJECTIVE_SCALE, abs(beat))
-    if res.fun >= beat - margin:
+    if res.fun >= beat + margin:
         return None
     return res.fun + res.lower.marginals >= beat + margin
 
