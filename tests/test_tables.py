@@ -208,3 +208,21 @@ def test_prices_are_kept_between_runs_and_never_read_across_a_changed_identity(t
     monkeypatch.setattr(price_cache, "_OPEN", {})
     broken, p4 = prices()
     assert broken == first and p4._priced  # an unreadable file is priced again
+
+
+def test_layouts_alike_for_an_op_price_it_alike_and_once():
+    """Replicas never change one device's time, and expert parallelism only a MoE's: a Mamba layer on tp4, tp4.r2
+    and tp4.ep4.r2 is priced once, a MoE once for tp4.ep4 and tp4.ep4.r2 and apart for tp4."""
+    from puzzlekit.backends.cost.provider import Deployment
+    from puzzlekit.backends.layout import Layout
+
+    prog, t = ir.load(config_path(SUPER)), get_target("8xb200")
+    p = TablesProvider(t)
+    kinds = {k: next(n for n in prog.nodes if n.op.kind == k) for k in ("mamba2", "moe")}
+    cm = CostModel(prog, t, get_scenario("decode-heavy", recipe="nvfp4-hybrid", layout="tp4"), p)
+    price = lambda k, layout: p.seconds(kinds[k].op, cm.precisions[kinds[k].path], None, 64, 1, 40960, True,  # noqa
+                                        Deployment(layout=Layout.parse(layout)))
+    mamba = {price("mamba2", L) for L in ("tp4", "tp4.r2", "tp4.ep4.r2")}
+    assert len(mamba) == 1 and len(p._curves) == 1
+    moe = [price("moe", L) for L in ("tp4.ep4", "tp4.ep4.r2", "tp4")]
+    assert moe[0] == moe[1] != moe[2] and len(p._curves) == 3

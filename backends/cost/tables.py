@@ -105,6 +105,7 @@ class TablesProvider(PricedAhead):
         self._expert_prec: dict = {}
         self._curves: dict = {}  # (op, formats, routing, tokens, context, deployment) -> running maxima on _GRID
         self._steps: dict = {}  # (op, formats, routing, batch, tokens, context, deployment) -> a prefill's seconds
+        self._alike: dict = {}  # (deployment, expert parallel) -> the deployment an op's time depends on
         self.kept = kept_prices(f"tables-{self.system}-{self.backend}", repr((
             LIBRARY_VERSION, DATABASES[self.backend], MODE, self.target, self.own.eff)))
 
@@ -127,6 +128,7 @@ class TablesProvider(PricedAhead):
         construction: the tables' running maximum at grid batches (every one to 8, then 2^(1/4) apart),
         linear between them. The tables interpolate their own grids, which dips by ~1% past some knots, and
         the search's batch bisection needs time that does not fall as the batch grows."""
+        d = self._priced_on(op, d)
         if not decode:
             key = (op, _formats(op, precisions), None if routing is None else tuple(routing), batch, tokens,
                    context, d)
@@ -154,11 +156,25 @@ class TablesProvider(PricedAhead):
             return curve[i] * b / lo if b > lo else curve[i]  # past the grid: in proportion
         return curve[i] + (curve[i + 1] - curve[i]) * (b - lo) / (hi - lo)
 
+    def _priced_on(self, op, d: Deployment) -> Deployment:
+        """The deployment as far as one device's time for `op` goes: the replicas never matter and expert
+        parallelism only to a MoE (or the MTP head holding one), so layouts alike there share every memo and kept
+        price (the 13 layouts of 8 GPUs price a Mamba layer on 5)."""
+        L = d.layout
+        ep = L.ep if op.kind in ("moe", "mtp") else 1
+        if L.replicas == 1 and L.ep == ep:
+            return d
+        key = (d, ep)
+        if key not in self._alike:
+            self._alike[key] = dataclasses.replace(d, layout=Layout(tp=L.tp, dp=L.dp, ep=ep))
+        return self._alike[key]
+
     def _sum(self, op, precisions, routing, batch, tokens, context, decode, d: Deployment) -> float:
         return sum(s for _, s, _ in self.explain(op, precisions, routing, batch, tokens, context, decode, d))
 
     def explain(self, op, precisions, routing, batch, tokens, context, decode, d: Deployment) -> list[tuple]:
         """(part, seconds, source) of one device's time for `op`, as `seconds` sums them."""
+        d = self._priced_on(op, d)
         if op.kind == "mtp":
             return self._mtp(op, precisions, routing, batch, tokens, context, decode, d)
         if op.kind == "noop":
