@@ -65,6 +65,7 @@ class Tables:
         self._nearest: dict = {}  # (format, shape) -> its anchor
         self._json: dict = {}  # id(a block's parts) -> (the parts, their ops' JSON)
         self._single: dict = {}  # (one op's JSON, call shape) -> (its row, borrowed)
+        self._rows: dict = {}  # (ops' JSON, call shape) -> their rows
 
     @property
     def db(self):
@@ -127,14 +128,21 @@ class Tables:
         return hit[1:]
 
     def run(self, ops_json, shape: tuple) -> list:
-        is_context, batch_size, s, prefix = shape
-        return self.handle.evaluate_ops_json(ops_json, is_context=is_context, batch_size=batch_size, s=s,
-                                             prefix=prefix)
+        """The ops' rows at a call shape, once per ops and shape: a block's variants that differ only in what is
+        priced apart (the experts' d_ff) share their other ops' rows."""
+        key = (ops_json, shape)
+        if key not in self._rows:
+            is_context, batch_size, s, prefix = shape
+            self._rows[key] = self.handle.evaluate_ops_json(ops_json, is_context=is_context, batch_size=batch_size,
+                                                            s=s, prefix=prefix)
+        return self._rows[key]
 
     def run_one(self, op_json, shape: tuple) -> tuple:
         """One op's row and whether the table borrowed its shape, once per op and call shape."""
         key = (op_json, shape)
         if key not in self._single:
-            row, = self.run(op_json, shape)
+            is_context, batch_size, s, prefix = shape
+            row, = self.handle.evaluate_ops_json(op_json, is_context=is_context, batch_size=batch_size, s=s,
+                                                 prefix=prefix)
             self._single[key] = row, bool(self.handle.last_provenance())
         return self._single[key]
