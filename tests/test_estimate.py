@@ -9,6 +9,7 @@ import torch
 from puzzlekit.estimate.activations import saved_floats
 from puzzlekit.ir.ops import MLP, Attention, Mamba2, MoE
 from puzzlekit.tools.cli import main
+from puzzlekit.tools.estimate import Untimed
 
 SUPER = "nemotron-3-super-120b-a12b"
 
@@ -59,8 +60,8 @@ def test_training_state_is_what_adamw_holds():
     from puzzlekit import ir
 
     prog = ir.load(model_path(None))
-    est = estimate([PASSES["distill"](teacher_logits="x", cos=0, mtp=0)], prog, parse_hardware("cpu"), 2**32,
-                   rates=_Free())
+    hw = parse_hardware("cpu")
+    est = estimate([PASSES["distill"](teacher_logits="x", cos=0, mtp=0)], prog, hw, 2**32, rates=Untimed(hw))
     model = prog_module(prog)
     opt = torch.optim.AdamW(model.parameters())
     out = model(torch.zeros(1, 4, dtype=torch.long))
@@ -75,19 +76,6 @@ def prog_module(prog):
     from puzzlekit.backends.torch import materialize
 
     return materialize(prog)
-
-
-class _Free:
-    def forward(self, op, rows, seq):
-        return 0.0
-
-    train = forward
-
-    def elements(self, n):
-        return 0.0
-
-    def read_rate(self, prog):
-        return float("inf")
 
 
 def test_super_on_eight_h100s_from_its_config(capsys, tmp_path):
@@ -116,8 +104,9 @@ def test_fsdp_divides_the_state_by_the_processes():
     from puzzlekit.tools.default_model import model_path
 
     prog = ir.load(model_path(SUPER))
-    d = {shard: estimate([PASSES["distill"](shard=shard)], prog, parse_hardware("b200:16"), 2**62,
-                         rates=_Free()).stages[0].memory for shard in ("ddp", "fsdp")}
+    hw = parse_hardware("b200:16")
+    d = {shard: estimate([PASSES["distill"](shard=shard)], prog, hw, 2**62, rates=Untimed(hw)).stages[0].memory
+         for shard in ("ddp", "fsdp")}
     largest = max(n.op.param_count() for n in prog.nodes if n.op.is_block or n.op.kind == "mtp")
     gathered = 2 * largest * 2  # one block gathered in bf16, the next prefetched
     for part in ("teacher", "student (weights, gradients, AdamW)"):

@@ -161,6 +161,29 @@ def test_spilled_weights_save_byte_identical_files(parent, tmp_path):
         assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes(), f.name
 
 
+def test_the_resident_bytes_kept_as_entries_change_equal_their_sum(parent, tmp_path):
+    """The store keeps its in-memory bytes as entries come and go (checked after every new tensor, for free);
+    the oracle is the sum over the entries held in memory, through every way an entry changes."""
+    from puzzlekit.ir.quant.formats import quantize_fp8
+
+    store = parent.copy().weights  # the default model's: lazy entries read from its checkpoint
+    summed = lambda w: sum(w.nbytes(k) for k in w._in_memory())  # noqa: E731
+    names = store.names()
+    steps = [lambda: store.set(names[0], torch.ones(7, 3)), lambda: store.set(names[0], torch.ones(2)),
+             lambda: store.set(names[1], quantize_fp8(torch.randn(16, 32, generator=torch.Generator().manual_seed(0)))),
+             lambda: store.update({names[2]: torch.zeros(5, dtype=torch.bfloat16), "new.weight": torch.zeros(3)}),
+             lambda: store.set_meta(names[2], (4, 4)), lambda: store.delete("new.weight"),
+             lambda: store.spill_over(10**12), lambda: store.spill_over(0),
+             lambda: store.set(names[3], torch.ones(11))]
+    for i, step in enumerate(steps):
+        step()
+        assert store.resident_bytes() == summed(store), i
+    copy = store.copy()
+    copy.set(names[4], torch.ones(100))
+    assert (copy.resident_bytes(), store.resident_bytes()) == (summed(copy), summed(store))
+    assert store.resident_bytes() == 44 and copy.resident_bytes() == 444
+
+
 @pytest.mark.parametrize("text, want", [("24GB", 24 * 10**9), ("512MiB", 512 * 2**20), ("3e9", 3 * 10**9),
                                         ("1.5 gib", int(1.5 * 2**30))])
 def test_memory_sizes_parse(text, want):

@@ -133,10 +133,10 @@ class TablesProvider(PricedAhead):
             key = (op, _formats(op, precisions), None if routing is None else tuple(routing), batch, tokens,
                    context, d)
             if key not in self._steps:
-                kept = self.kept.get(key)
-                self._steps[key] = kept if kept is not None else \
-                    self._sum(op, precisions, routing, batch, tokens, context, decode, d)
-                self.kept.put(key, self._steps[key])
+                self._steps[key] = self.kept.get(key)
+                if self._steps[key] is None:  # not kept from an earlier run: priced, and kept
+                    self._steps[key] = self._sum(op, precisions, routing, batch, tokens, context, decode, d)
+                    self.kept.put(key, self._steps[key])
             return self._steps[key]
         L = d.layout
         b = L.requests_per_group(batch)

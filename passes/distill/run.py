@@ -226,14 +226,9 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
         if d.keep_best and ev.best is not None and ev.best[metric] < after[metric]:
             student.load_state_dict(ev.best_weights)
             after, kept = ev.measure(), ev.best["step"]
-        held, step = 0, max(1, compute.budget // 64)  # the store's bytes are counted every `step` bytes, not per tensor
         for name, t in full_state(student):  # whole tensors on every process: later passes run on each
             prog.weights.set(name, t.detach().clone().to("cpu", prog.weights.dtype(name)))
-            held += t.numel() * t.element_size()
-            if held >= step:
-                prog.weights.spill_over(compute.budget // 4)  # past the budget, to scratch files as they come
-                held = 0
-        prog.weights.spill_over(compute.budget // 4)
+            prog.weights.spill_over(compute.budget // 4)  # past the budget, to scratch files as they come
         after["bits_per_byte"] = metrics.bits_per_byte(student, source.held_out, token_bytes=source.token_bytes)
         if teacher is not None:
             teacher_bpb = metrics.bits_per_byte(teacher, source.held_out, token_bytes=source.token_bytes)

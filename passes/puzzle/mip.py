@@ -154,7 +154,7 @@ def _dominated(p: Problem, objective: np.ndarray, active) -> np.ndarray:
     for m in p.members:
         v, lab = values[m], labels[m]
         le = (v[:, None, :] <= v[None, :, :]).all(2) & (lab[:, None, :] == lab[None, :, :]).all(2)  # i beats j
-        lt = (v[:, None, :] < v[None, :, :]).any(2) | np.tri(len(m), k=-1, dtype=bool).T[:, :]
+        lt = (v[:, None, :] < v[None, :, :]).any(2) | np.tri(len(m), k=-1, dtype=bool).T
         np.fill_diagonal(le, False)
         out[m] = (le & lt).any(0)
     return out
@@ -164,7 +164,7 @@ def _beating(c: np.ndarray, upper: np.ndarray, rows: LinearConstraint, beat: flo
     """Reduced-cost fixing: the LP relaxation's optimum z and each variable's reduced cost d_j at 0 bound every
     choice using j from below by z + d_j, so where that is not below `beat` j is of no use (a margin of 1e-7 of
     the objective's range against rounding keeps every doubtful j). None when even z is not below `beat`."""
-    A = rows.A.tocsr() if hasattr(rows.A, "tocsr") else csr_array(rows.A)
+    A = csr_array(rows.A)
     eq = rows.lb == rows.ub
     up, lo = ~eq & np.isfinite(rows.ub), ~eq & np.isfinite(rows.lb)
     with _native_stdout_to_stderr():

@@ -72,8 +72,6 @@ class Quantize(ComputePass):
         original = teacher.record(windows, 4, prog.outputs[:1], attach=calib.attach if calib else None)
         teacher.release()  # the original is not run again: its kept layers give their room to the new weights
         amax = calib.amax if calib else {}
-        held, step = 0, max(1, compute.budget // 64)  # the store's bytes are summed every `step` new bytes, not per
-        # layer (a sum over every weight: 42,000 of them at Super's counts)
         for path, params in progress(plan.items(), am, "quantize", total=len(plan)):  # a bar, or lines in a log
             node = prog.node(path)
             new = {}
@@ -89,12 +87,8 @@ class Quantize(ComputePass):
                 if act:
                     module = f"{path}.{local.rsplit('.', 1)[0]}"
                     new[f"{local.rsplit('.', 1)[0]}.input_scale"] = input_scale(amax[module], act)
-            node = prog.rewrite(node, op=node.op.replace(quant=dict(node.op.quant) | params), weights=new)
-            held += sum(prog.weights.nbytes(f"{node.path}.{local}") for local in new)
-            if held >= step:
-                prog.weights.spill_over(compute.budget // 4)  # past a quarter of the budget, to scratch files
-                held = 0
-        prog.weights.spill_over(compute.budget // 4)
+            prog.rewrite(node, op=node.op.replace(quant=dict(node.op.quant) | params), weights=new)
+            prog.weights.spill_over(compute.budget // 4)  # past a quarter of the budget, to scratch files
         report = {"recipe": self.recipe, "calib": self.calib.value, "weights": sum(len(p) for p in plan.values()),
                   **teacher_agreement(original, StreamedProgram(prog, compute), windows, batch=4)}
         am.reports["quantize"] = report
