@@ -3,8 +3,8 @@
 A model larger than the budget still runs: its layers are read from the checkpoint when they run and
 released after, activations past their share go to scratch files, and new weights (quantised, sliced,
 trained) are spilled there too. The default is half of what the machine has available when the command
-starts. Scratch files live in one temporary directory per process (under `PUZZLEKIT_SCRATCH` when set),
-removed when the process ends.
+starts, shared by the processes torchrun starts on it (LOCAL_WORLD_SIZE). Scratch files live in one temporary
+directory per process (under `PUZZLEKIT_SCRATCH` when set), removed when the process ends.
 """
 from __future__ import annotations
 
@@ -49,10 +49,11 @@ def available() -> int:
 
 def budget(max_memory: str | int | None = None) -> int:
     """The budget in bytes: `max_memory` when given (an int is taken as it is), else half of what is
-    available now."""
+    available now, divided among this node's torchrun processes (each takes its own budget)."""
     if isinstance(max_memory, int) and max_memory > 0:
         return max_memory
-    return parse_size(max_memory) if max_memory else max(MIN_BYTES, available() // 2)
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return parse_size(max_memory) if max_memory else max(MIN_BYTES, available() // 2 // local)
 
 
 def return_freed_memory() -> None:

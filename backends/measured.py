@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -147,10 +148,17 @@ class MeasuredProvider:
         CostModel of a run has its own provider: none may drop the others' times)."""
         if merge:
             self._cache = {**self._load(), **self._cache}
-        self.cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.cache_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"conditions": self.conditions, "times": self._cache}))
-        os.replace(tmp, self.cache_file)
+        try:
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.cache_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"conditions": self.conditions, "times": self._cache}))
+            os.replace(tmp, self.cache_file)
+        except OSError as e:  # an unwritable cache: the times serve this run and are timed again in the next
+            if self.pinned:  # a run's own table is its record: not keeping it is an error
+                raise
+            if not getattr(self, "_unkept", False):
+                self._unkept = True
+                print(f"puzzlekit: op timings not kept for later runs ({self.cache_file}: {e})", file=sys.stderr)
 
     def invalidate(self, reason: str) -> None:
         """Drops every cached time (they are timed again when next needed)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -117,10 +118,11 @@ def commands(ckpt: Path, work: Path, data: Path) -> dict[str, list[str]]:
     }
 
 
-def timed(cmd: list[str]) -> dict:
-    """Wall and CPU seconds and peak resident memory (GB) of `cmd` in a fresh process (/usr/bin/time -v)."""
+def timed(cmd: list[str], env: dict | None = None) -> dict:
+    """Wall and CPU seconds and peak resident memory (GB) of `cmd` in a fresh process (/usr/bin/time -v), with
+    `env` added to the environment."""
     start = time.perf_counter()
-    p = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    p = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall = time.perf_counter() - start
     if p.returncode:
         said = [line for line in p.stderr.splitlines() if line.strip() and not line.startswith("\t")]

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import counts  # noqa: E402
 import scale  # noqa: E402
 
-STAGES = ("library", "distill", "quantize-fp8", "quantize-nvfp4", "mtp-check", "scale-library")
+STAGES = ("library", "distill", "quantize-fp8", "quantize-nvfp4", "mtp-check", "scale-library", "library-held")
 
 
 def estimated(cmd: list[str]) -> dict:
@@ -37,6 +37,37 @@ def scale_checkpoint(work: Path) -> Path:
     if not (out / "config.json").exists():
         subprocess.run([sys.executable, "-c", scale.WRITER, json.dumps(scale.config(28)), str(out)], check=True)
     return out
+
+
+#: the library command with a layer's variants held until all are scored (build_library's hold_all): the same library
+HELD = """import functools, sys
+import puzzlekit.passes.puzzle as puzzle
+from puzzlekit.tools.cli import main
+puzzle.build_library = functools.partial(puzzle.build_library, hold_all=True)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def one_variant_library(cmd: list[str]) -> dict:
+    """The library command as it runs (one variant at a time) beside the same command holding every variant of a
+    layer until it is scored, one after the other from a fresh library: the estimate against the first, then the
+    memory one variant at a time saves and the time it costs."""
+    lib = Path(cmd[cmd.index("-o") + 1])
+    got = {}
+    for name, run in (("one", cmd), ("held", [sys.executable, "-c", HELD, *cmd[3:]])):
+        shutil.rmtree(lib, ignore_errors=True)
+        got[name] = counts.timed(run)
+    est, one, held = estimated(cmd), got["one"], got["held"]
+    if "error" in one or "error" in held:
+        print(f"{'library-held':<16} failed: {one.get('error') or held.get('error')}")
+        return {"stage": "library-held", "estimate": est, "measured": got}
+    print(f"{'library (one)':<16} {est['peak_gb']:>8.2f}GB {one['peak_gb']:>6.2f}GB "
+          f"{est['peak_gb'] / one['peak_gb']:>6.2f} {est['seconds']:>9.0f}s {one['wall_s']:>7.0f}s "
+          f"{est['seconds'] / one['wall_s']:>6.2f}\n"
+          f"{'library (held)':<16} {'':>10} {held['peak_gb']:>6.2f}GB {'':>6} {'':>10} {held['wall_s']:>7.0f}s   "
+          f"one variant at a time: {held['peak_gb'] - one['peak_gb']:+.3f} GB saved, "
+          f"{one['cpu_s'] - held['cpu_s']:+.1f} s CPU", flush=True)
+    return {"stage": "library-held", "estimate": est, "measured": got}
 
 
 def main() -> None:
@@ -67,6 +98,9 @@ def main() -> None:
     rows = []
     print(f"{'stage':<16} {'est. peak':>10} {'peak':>8} {'ratio':>6} {'est. time':>10} {'wall':>8} {'ratio':>6}")
     for name in a.stages:
+        if name == "library-held":
+            rows.append(one_variant_library(cmds["library"]))
+            continue
         est = estimated(cmds[name])
         got = counts.timed(cmds[name])
         row = {"stage": name, "estimate": est, "measured": got}

@@ -96,6 +96,38 @@ def stages(parent, compute, work: Path) -> tuple[dict, object]:
     return out, lib
 
 
+#: the distillation's state modes, each run on the GPU beside its --estimate (offload needs 2 processes: left out)
+MODES = {"fp32 AdamW": {}, "bf16 + adamw-bf16": {"params": "bf16", "optimizer": "adamw-bf16"},
+         "bf16 + adamw-8bit": {"params": "bf16", "optimizer": "adamw-8bit"}, "fp8 teacher": {"teacher_dtype": "fp8"},
+         "checkpointing": {"checkpointing": True}, "best on disk": {"best": "disk"}}
+
+
+def state_modes(parent, compute, work: Path) -> list[dict]:
+    """Each of `MODES` for a short distillation of the pruned child on the GPU: peak reserved memory and seconds
+    beside the estimate's, and the held-out KL it reaches (the same steps and seeds)."""
+    from puzzlekit.estimate import estimate, parse_hardware
+    from puzzlekit.estimate.hardware import GPU_RESERVED
+
+    rows = []
+    for name, options in MODES.items():
+        child = parent.copy()
+        PassManager("set-topk{k=1},drop-blocks{layers=[2]}").run(child)
+        settings = Distill(steps=40, batch=8, seq=256, eval_every=20, eval_windows=4, lr=1e-3,
+                           state=str(work / f"state-{len(rows)}") if options.get("best") == "disk" else "", **options)
+        torch.cuda.reset_peak_memory_stats(compute.device)
+        t = time.perf_counter()
+        try:
+            rep = distill(child, parent, settings, Path(settings.state) if settings.state else None, compute=compute)
+        except Exception as e:  # a mode that fails here is a finding, not the end of the check
+            rows.append({"mode": name, "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        stage = estimate([settings], child, parse_hardware(None, "cuda"), 2**62).stages[0]
+        rows.append({"mode": name, "seconds": time.perf_counter() - t, "kl_after": rep["after"]["kl"],
+                     "peak_reserved_bytes": torch.cuda.max_memory_reserved(compute.device),
+                     "estimate_bytes": stage.peak_memory_bytes - GPU_RESERVED, "estimate_seconds": stage.seconds})
+    return rows
+
+
 def child_plan(lib, parent, target: str, scenario: str, speedups=(2.0, 1.75, 1.5, 1.25)):
     """The MIP child at 2x the parent's predicted throughput on `target`, or the largest of `speedups` the
     small library reaches. No serving engine's rules (engine none): the decode is timed in puzzlekit's own
@@ -188,6 +220,12 @@ def main() -> int:
         print(f"distill --estimate on this GPU: {e['peak_bytes'] / 1e9:.2f} GB (measured, reserved: "
               f"{e['measured_peak_reserved_bytes'] / 1e9:.2f} GB), {e['seconds']:.1f} s "
               f"(measured {e['measured_seconds']:.1f} s)", flush=True)
+        result["state_modes"] = modes = state_modes(parent, gpu, Path(d))
+        print(f"\n{'distill mode':<20}{'peak GB':>9}{'est. GB':>9}{'s':>7}{'est. s':>8}{'KL after':>10}")
+        for r in modes:
+            print(f"{r['mode']:<20}" + (r["error"] if "error" in r else
+                  f"{r['peak_reserved_bytes'] / 1e9:>9.2f}{r['estimate_bytes'] / 1e9:>9.2f}{r['seconds']:>7.1f}"
+                  f"{r['estimate_seconds']:>8.1f}{r['kl_after']:>10.4f}"), flush=True)
         search, plan = child_plan(lib, parent, args.target, args.scenario)
         child = search.child(search.rows_of(plan), weights=True)
         rows = decode_rows(parent, child, gpu, args.target, get_scenario(args.scenario))

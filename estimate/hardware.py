@@ -28,6 +28,13 @@ GPU_RESERVED = int(1.5e9)
 READ_RATE = 2e9
 #: blocks with more parameters than this are not run on the CPU to time them (their matrix products are)
 TIMED_PARAMS = 64_000_000
+#: the most tokens a block is timed over (rows x seq): longer work is priced from that timing by its FLOPs
+TIMED_TOKENS = 8192
+
+
+#: a DGX node's host memory per GPU (8 GPUs: DGX H100 and H200 2 TB, DGX B200 4 TB): what offloaded state, kept best
+#: weights and tapes may take
+HOST_PER_GPU = {"h100": 2e12 / 8, "h200": 2e12 / 8, "b200": 4e12 / 8}
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,14 @@ class Hardware:
     processes: int
     memory_bytes: int
     target: object = None  # backends.targets.Target on GPUs
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory one process may hold: on GPUs its share of a DGX node's (`HOST_PER_GPU`: a node of another
+        GPU as an H100's), on the CPU the memory it has."""
+        if self.kind != "gpu":
+            return self.memory_bytes
+        return int(HOST_PER_GPU.get(str(self.target.name).lower(), HOST_PER_GPU["h100"]))
 
     @property
     def compute_bytes(self) -> int:
@@ -78,9 +93,10 @@ def parse_hardware(text: str | None, device: str = "auto") -> Hardware:
                          "or cpu") from None
     if target.kind != "gpu":
         return _cpu(count)
-    if target.devices > 1:  # "8xb200" names a node: its GPUs are the processes
-        count, target = count * target.devices, dataclasses.replace(target, name=target.name.split("x", 1)[1],
-                                                                   devices=1)
+    if target.devices > 1:  # a node ("8xb200", or a target file with `devices`): its GPUs are the processes
+        prefix = f"{target.devices}x"
+        gpu = target.name[len(prefix):] if target.name.startswith(prefix) else f"GPU of {target.name}"
+        count, target = count * target.devices, dataclasses.replace(target, name=gpu, devices=1)
     return Hardware(f"{count} x {target.name}", "gpu", count, int(target.memory_bytes), target)
 
 
@@ -139,9 +155,12 @@ class Rates:
             return max(flops / (t.peak_flops["bf16"] * GPU_EFFICIENCY), weights / (t.bandwidth * GPU_EFFICIENCY))
         if op.param_count() > TIMED_PARAMS or op.kind not in _TIMED:
             return flops / self._gemm_rate()
-        key = (op.kind, rows, seq, train)  # the first block of a kind at a shape is timed; others scale by work
+        # the first block of a kind at a shape is timed, at most TIMED_TOKENS of it (a longer one scales by work: the
+        # timing answers in seconds, and in memory); others scale by work
+        r, q = max(1, min(rows, TIMED_TOKENS // seq)), min(seq, TIMED_TOKENS)
+        key = (op.kind, r, q, train)
         if key not in self._per_flop:
-            self._per_flop[key] = _time_block(op, rows, seq, train) / max(flops, 1.0)
+            self._per_flop[key] = _time_block(op, r, q, train) / max(_flops(op, r, q) * (3 if train else 1), 1.0)
         return flops * self._per_flop[key]
 
     def read_rate(self, prog) -> float:
@@ -213,3 +232,21 @@ def _time_block(op, rows: int, seq: int, train: bool) -> float:
         return _least_seconds(run, 2)
     with torch.no_grad():
         return _least_seconds(lambda: m(x), 2)
+
+
+class Untimed:
+    """Rates for the check before a run: memory decides, so no block is timed."""
+
+    def __init__(self, hw):
+        self.hw = hw
+
+    def forward(self, op, rows, seq) -> float:
+        return 0.0
+
+    train = forward
+
+    def elements(self, n) -> float:
+        return 0.0
+
+    def read_rate(self, prog) -> float:
+        return float("inf")

@@ -46,15 +46,22 @@ class Stage:
     def peak_memory_bytes(self) -> int:
         return int(sum(self.memory.values()))
 
+    host_capacity: int = 2**62  # host memory per process (on GPUs: its share of the node's)
+
+    @property
+    def host_bytes(self) -> int:
+        return int(sum(self.host.values()))
+
     @property
     def fits(self) -> bool:
-        return self.peak_memory_bytes <= self.capacity
+        return self.peak_memory_bytes <= self.capacity and self.host_bytes <= self.host_capacity
 
     def as_json(self) -> dict:
         return {"stage": self.name, "peak_memory_bytes": self.peak_memory_bytes, "seconds": self.seconds,
                 "fits": self.fits, "capacity_bytes": self.capacity,
                 "memory": {k: int(v) for k, v in self.memory.items() if v}, "notes": self.notes,
-                "host_memory": {k: int(v) for k, v in self.host.items() if v},
+                "host_memory": {k: int(v) for k, v in self.host.items() if v}, "host_bytes": self.host_bytes,
+                "host_capacity_bytes": self.host_capacity,
                 "fixes": [] if self.fits else self.fixes}
 
 
@@ -66,6 +73,7 @@ class Context:
     hw: Hardware
     budget: int  # host bytes for weights and activations (--max-memory, or half of what is available)
     rates: Rates = None
+    teacher: object = None  # the Program distillation's teacher is (the parent, after a search); default `prog`
 
     def __post_init__(self):
         self.rates = self.rates or Rates(self.hw)
@@ -82,8 +90,7 @@ class Context:
         return sum(len(n.op.params()) for n in self.prog.nodes)
 
     def params(self) -> int:
-        c = self.prog.param_counts()
-        return c["total"] + c["mtp_total"]
+        return _params(self.prog)
 
     def blocks(self) -> list:
         return [n.op for n in self.prog.blocks()]
@@ -122,7 +129,12 @@ class Context:
         if self.hw.kind == "cpu":
             memory, host = memory | host, {}
         return Stage(name, {"process": self.base} | memory, seconds, self.hw.memory_bytes, list(fixes), list(notes),
-                     host)
+                     host, self.hw.host_bytes)
+
+
+def _params(prog) -> int:
+    c = prog.param_counts()
+    return c["total"] + c["mtp_total"]
 
 
 def saved_floats_max(ops, seq: int, device: str) -> float:
@@ -137,53 +149,71 @@ def _batches(n: int, batch: int) -> int:
 # -- the library ---------------------------------------------------------------------------------------------------
 def library(ctx: Context, p) -> Stage:
     """`library{...}` / `puzzlekit library`: rank 0 sweeps the parent over both splits, then each process trains and
-    scores its share of the layers' variants."""
+    scores its share of the layers' variants, one variant at a time (passes/puzzle/build.py): a layer holds the
+    parent block (on the host on a GPU), one variant's training, the layer's inputs and the variants' outputs
+    scored together (a quarter of the budget, a sixteenth of a GPU); the scorer's layers in the compute dtype."""
     from ..passes.puzzle.grid import load_grid, variants
     from ..passes.puzzle.library import variant_spec
 
     grid = load_grid(p.grid or None)
-    seq, hidden = p.seq, ctx.blocks()[0].hidden
+    seq, hidden, gpu = p.seq, ctx.blocks()[0].hidden, ctx.hw.kind == "gpu"
     calib, score = p.calib_windows * seq, p.score_windows * seq
-    weights = 4.0 * sum(op.param_count() for op in ctx.blocks())
+    largest = max(op.param_count() for op in ctx.blocks())
+    weights = 4.0 * sum(op.param_count() for op in ctx.blocks())  # the sweep's float32 calibration pass
+    held = ctx.hw.compute_bytes / 4 * weights  # the scorer's layers, in the compute dtype
     # the sweep: every layer over the calibration (batch 4, float32) and held-out (batch 8) windows, tapes kept
     c4, s8 = min(4, p.calib_windows), min(8, p.score_windows)  # rows per batch, as the build batches them
     sweep_s = ctx.forward(c4, seq) * _batches(p.calib_windows, 4) + ctx.forward(s8, seq) * _batches(p.score_windows, 8)
     tapes = min(2 * 4.0 * (calib + score) * hidden, ctx.budget / 4)
-    layers, work_peak, rows_s = ctx.prog.blocks(), 0.0, [0.0] * ctx.hw.processes
+    room = min(ctx.budget / 4, ctx.hw.memory_bytes / 16) if gpu else ctx.budget / 4
+    output = 2 * 4.0 * score * hidden  # a variant's output in place of the layer, and its successor
+    layers, work_peak, parent_peak, rows_s = ctx.prog.blocks(), 0.0, 0.0, [0.0] * ctx.hw.processes
     tail = [ctx.rates.forward(op, s8, seq) for op in ctx.blocks()]
     head = ctx.rates.forward(ctx.head(), s8, seq)
     bld_steps = max(1, math.ceil(p.bld_tokens / (4 * seq)))
+    groups = []
     for i, node in enumerate(layers):
         vs = variants(node.op, grid, node.path)
         specs = [variant_spec(node.op, v) for v in vs]
         sizes = [4.0 * s.param_count() for s in specs]
-        trained = [s for v, s in zip(vs, sizes) if v.steps]
-        work = sum(sizes) + 4.0 * node.op.param_count() + 4 * max(trained, default=0.0)
+        one = max((5 if v.steps else 1) * n for v, n in zip(vs, sizes))  # block; trained: start, gradient, moments
         run = [s for v, s in zip(vs, specs) if v.steps or v.replacement]
-        acts = 8.0 * (calib + score) * hidden + 4.0 * (1 + len(run)) * score * hidden
-        acts += max((saved_bytes(s, 4, seq, ctx.device) for v, s in zip(vs, specs) if v.steps), default=0.0)
-        work_peak = max(work_peak, work + acts)
+        per_group = max(1, int(room // output))
+        groups.append(math.ceil(len(run) / per_group))
+        # x, d and the next layer's input it is made from; the held-out input and target; the trunk's output
+        inputs = 4.0 * (3 * calib + 3 * score) * hidden
+        work = one + inputs + output * min(len(run), per_group)
+        work += max((saved_bytes(s, 4, seq, ctx.device) for v, s in zip(vs, specs) if v.steps), default=0.0)
+        work_peak, parent_peak = max(work_peak, work), max(parent_peak, 4.0 * node.op.param_count())
         t = sum(2 * ctx.rates.forward(s, s8, seq) * _batches(p.score_windows, 8) for s in specs)
         t += sum(ctx.rates.train(s, 4, seq) * bld_steps for v, s in zip(vs, specs) if v.steps)
         t += len(run) * (sum(tail[i + 1:]) + head) * _batches(p.score_windows, 8)
         rows_s[i % ctx.hw.processes] += t
-    rows_phase = ctx.kept(weights, work_peak) + work_peak > ctx.kept(weights) + (tapes if ctx.device == "cpu" else 0)
-    # scoring layer i reads layers i+1.. again where the stream cannot keep them beside the layer's work
-    sizes_after = [4.0 * sum(op.param_count() for op in ctx.blocks()[i + 1:]) for i in range(len(layers))]
-    rereads = sum(ctx.reads(w, work_peak) for w in sizes_after) / ctx.hw.processes + ctx.reads(weights) + \
-        weights / ctx.rates.read_rate(ctx.prog)
+    if not gpu:  # the parent block is in the one memory; on a GPU it stays on the host
+        work_peak += parent_peak
+
+    def streamed(w: float, nbytes: float, work: float = 0.0) -> dict:  # as Context.streamed, in `nbytes` a weight
+        kept = ctx.kept(w, work)
+        return {"weights (kept layers)": kept, "layer being read": nbytes * largest * (1 if kept >= w else 2)}
+
+    sweep = streamed(weights, 4.0)
+    rows = streamed(held, ctx.hw.compute_bytes, work_peak) | {"layer work and activations": work_peak}
+    rows_phase = sum(rows.values()) > sum(sweep.values()) + (0 if gpu else tapes)
+    # scoring layer i reads layers i+1.. again, once per group of its variants, where the stream cannot keep them
+    after = [ctx.hw.compute_bytes * sum(op.param_count() for op in ctx.blocks()[i + 1:]) for i in range(len(layers))]
+    rereads = sum(n * ctx.reads(w, work_peak) for n, w in zip(groups, after)) / ctx.hw.processes + \
+        ctx.reads(weights) + weights / ctx.rates.read_rate(ctx.prog)
     fixes = ["fewer --calib-windows / --score-windows or a shorter --seq"]
     if work_peak + ctx.base > ctx.hw.memory_bytes:
-        fixes.insert(0, "a grid with fewer or smaller variants per layer (--grid): a layer's variants are held "
-                        "together until scored, in float32")
+        fixes.insert(0, "a grid without the largest trained variants (--grid): a layer holds one variant's "
+                        "training (float32 weights, gradient and AdamW's moments) beside its inputs")
     else:
         fixes.insert(0, "a smaller --max-memory (layers are then read again as they are needed)")
-    return ctx.stage("library", ctx.streamed(weights, work_peak if rows_phase else 0)
-                     | {"layer work and activations": work_peak if rows_phase or ctx.device == "gpu" else 0},
-                     sweep_s + max(rows_s) + rereads, fixes,
+    return ctx.stage("library", rows if rows_phase else sweep, sweep_s + max(rows_s) + rereads, fixes,
                      notes=[f"{len(layers)} layers; the sweep on rank 0, the layers' variants shared over "
-                            f"{ctx.hw.processes} process(es)"],
-                     host={"the sweep's tapes": tapes if not rows_phase else 0})
+                            f"{ctx.hw.processes} process(es), one variant at a time"],
+                     host={"the sweep's tapes": 0 if rows_phase else tapes,
+                           "the parent block": parent_peak if gpu and rows_phase else 0})
 
 
 # -- the search ------------------------------------------------------------------------------------------------------
@@ -198,6 +228,8 @@ def puzzle(ctx: Context, p) -> Stage:
 def distill(ctx: Context, p) -> Stage:
     """Student (master weights, gradients, AdamW's moments), teacher (or its stored top-k), the activations of one
     micro-batch and its logits, per process."""
+    from ..training.optimizers import MOMENT_BYTES, PARAM_BYTES, state_bytes
+
     n, world = ctx.params(), ctx.hw.processes
     fsdp = p.shard == "fsdp" and world > 1
     share = world if fsdp else 1
@@ -206,23 +238,41 @@ def distill(ctx: Context, p) -> Stage:
     largest = max(op.param_count() for op in blocks)
     gathered = 2 * largest * ctx.hw.compute_bytes if fsdp else 0  # a block gathered, the next prefetched
     trainable = ctx.mtp().param_count() if p.head_only and ctx.mtp() else n
-    student = 4.0 * n / share + 12.0 * trainable / share
-    teacher_bytes = 2 if ctx.hw.kind == "gpu" else 4  # frozen matmul weights in the compute dtype on a GPU
-    teacher = 0.0 if p.teacher_logits else teacher_bytes * n / share + gathered
+    # the trained parameters with their gradients and moments (training.state_bytes); a registered optimizer of
+    # its own is counted as AdamW
+    state = state_bytes(p.params, p.optimizer if p.optimizer in MOMENT_BYTES or p.optimizer == "adamw-cosine"
+                        else "adamw", p.offload and fsdp, p.best, share)
+    frozen = PARAM_BYTES[p.params] * (n - trainable) / share
+    student = frozen + state["device"] * trainable
+    kept_best = PARAM_BYTES[p.params] * trainable / share if p.keep_best and p.best == "host" else 0.0
+    offloaded = (state["host"] * trainable - kept_best) if p.keep_best else state["host"] * trainable
+    teacher_bytes = 1 if p.teacher_dtype == "fp8" else 2 if ctx.hw.kind == "gpu" else 4  # matmul weights: fp8, or
+    # the compute dtype on a GPU
+    tprog = ctx.teacher or ctx.prog
+    t_n, t_blocks = _params(tprog), [n.op for n in tprog.blocks()] + [n.op for n in tprog.find("mtp")]
+    teacher = 0.0 if p.teacher_logits else teacher_bytes * t_n / share + gathered
     saved = [saved_bytes(op, rows, p.seq, ctx.device) for op in blocks]
     if p.checkpointing:  # block inputs, and one block's activations recomputed at a time
         acts = 4.0 * rows * p.seq * blocks[0].hidden * len(blocks) + max(saved)
     else:
         acts = sum(saved)
+    # between steps the held-out evaluation runs 8 windows at a time without grad: a block's work over them, their
+    # residual stream in and out (the training's activations are freed by then)
+    e8 = min(8, p.eval_windows)
+    evaluation = max(saved_bytes(op, e8, p.seq, ctx.device) for op in blocks) + 2 * 4.0 * e8 * p.seq * blocks[0].hidden
     vocab = ctx.head().vocab
-    copies = (3 + (2 if not p.teacher_logits else 0)) * (2 if ctx.mtp() else 1)
-    memory = {"student (weights, gradients, AdamW)": student + gathered, "teacher": teacher,
-              "best weights (keep_best)": 4.0 * trainable / share if p.keep_best else 0.0,
-              "activations": acts, "logits": logits_bytes(vocab, rows, p.seq, copies)}
+    memory = {"student (weights, gradients, optimizer)": student + gathered, "teacher": teacher,
+              "activations (training, or the evaluation between steps)": max(acts, evaluation),
+              # every process draws the step's global batch of token ids (int64) and keeps its rows
+              "the step's token ids": 8.0 * p.batch * (p.seq + 1),
+              "logits (a chunk of tokens)": logits_bytes(vocab, rows, p.seq),
+              # the cos term's teacher side: every block's output, float32 residual stream
+              "teacher's block outputs": 4.0 * rows * p.seq * blocks[0].hidden * len(ctx.blocks())
+              if p.cos and not p.teacher_logits and not p.head_only else 0.0}
     # time: every step trains the student on each micro-batch and runs the teacher over it
     step = sum(ctx.rates.train(op, rows, p.seq) for op in blocks) + ctx.rates.train(ctx.head(), rows, p.seq)
     if not p.teacher_logits:
-        step += ctx.forward(rows, p.seq, blocks) + ctx.rates.forward(ctx.head(), rows, p.seq)
+        step += ctx.forward(rows, p.seq, t_blocks) + ctx.rates.forward(ctx.head(), rows, p.seq)
     if p.checkpointing:
         step += ctx.forward(rows, p.seq, blocks)
     step *= p.accumulate
@@ -231,17 +281,17 @@ def distill(ctx: Context, p) -> Stage:
     # held-out evaluations: before, every eval_every steps and after (student and teacher), and the student's bits
     # per byte before and after
     forwards = 2 * (p.steps // p.eval_every + 2) + 2
-    e8 = min(8, p.eval_windows)
     eval_s = forwards * _batches(p.eval_windows, 8) * (ctx.forward(e8, p.seq, blocks)
                                                        + ctx.rates.forward(ctx.head(), e8, p.seq))
     fixes = []
     if not fsdp:
         fixes.append("shard=fsdp under torchrun: parameters, gradients and optimizer state divided by the processes")
     # with shard=fsdp and checkpointing: the weights, optimizer state, teacher and best weights divided, the rest not
-    sharded = 4.0 * n + (16.0 if p.keep_best else 12.0) * trainable + (0.0 if p.teacher_logits else teacher_bytes * n)
+    unsharded = state_bytes(p.params, "adamw" if p.optimizer == "adamw-cosine" else p.optimizer
+                            if p.optimizer in MOMENT_BYTES else "adamw", p.offload, p.best)
+    sharded = frozen * share + unsharded["device"] * trainable + (0.0 if p.teacher_logits else teacher_bytes * t_n)
     single = 4.0 * p.seq * (blocks[0].hidden * len(blocks) + saved_floats_max(blocks, p.seq, ctx.device))
-    room = ctx.hw.memory_bytes - ctx.base - 4 * largest * ctx.hw.compute_bytes - \
-        logits_bytes(vocab, 1, p.seq, copies) - single
+    room = ctx.hw.memory_bytes - ctx.base - 4 * largest * ctx.hw.compute_bytes - logits_bytes(vocab, 1, p.seq) - single
     need = math.ceil(sharded / room) if room > 0 else 0
     fixes.append(f"more {'GPUs' if ctx.hw.kind == 'gpu' else 'machines (processes of one share its memory)'} under "
                  "torchrun: with shard=fsdp, "
@@ -249,8 +299,16 @@ def distill(ctx: Context, p) -> Stage:
                  if need else "GPUs with more memory: one row's activations and logits alone do not fit")
     if not p.checkpointing:
         fixes.append("checkpointing=true: block activations recomputed in the backward")
-    if p.keep_best:
-        fixes.append("keep_best=false: no copy of the best weights")
+    if p.params == "fp32" or p.optimizer not in ("adamw-bf16", "adamw-8bit"):
+        lean = state_bytes("bf16", "adamw-8bit")["device"]
+        fixes.append(f"params=bf16,optimizer=adamw-8bit (or adamw-bf16): {lean:.1f} bytes a trained parameter "
+                     f"instead of {unsharded['device']:.1f}")
+    if fsdp and not p.offload:
+        fixes.append("offload=true: the shards, gradients and optimizer state in host memory")
+    if not p.teacher_logits and p.teacher_dtype != "fp8":
+        fixes.append("teacher_dtype=fp8: the live teacher's weights in a byte each")
+    if p.keep_best and p.best == "host" and kept_best + offloaded > ctx.hw.host_bytes / 2:
+        fixes.append("best=disk: the kept best weights in the state directory")
     if not p.teacher_logits:
         fixes.append("teacher_logits=DIR (stored top-k logits: no teacher in memory; cos=0, mtp=0)")
     fixes.append(f"a smaller batch per process (accumulate=N, or batch below {p.batch}) or a shorter seq "
@@ -258,7 +316,9 @@ def distill(ctx: Context, p) -> Stage:
     name = "distill (MTP head)" if p.head_only else "distill"
     # at the end the trained weights are copied whole into the program (host memory, spilled past a quarter of
     # the budget) while the student and its optimizer are still held
-    handed_back = {"trained weights handed back": min(4.0 * trainable, ctx.budget / 4)}
+    stored = STORED_BYTES.get(str(ctx.prog.meta.get("dtype", "")), 4)  # handed back in the store's dtype
+    handed_back = {"trained weights handed back": min(stored * trainable, ctx.budget / 4),
+                   "kept best weights": kept_best, "offloaded state": offloaded}
     return ctx.stage(name, memory, p.steps * step + eval_s, fixes,
                      [f"{rows} row(s) of {p.seq} tokens per micro-batch per process; "
                       f"{'fsdp' if fsdp else 'replicated (ddp)'} over {world} process(es)"], host=handed_back)

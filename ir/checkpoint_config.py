@@ -167,6 +167,58 @@ def _check_layer_count(cfg: dict, blocks: list, src: Path) -> None:
                               "make them agree")
 
 
+#: per block kind, the NemotronHConfig field each spec attribute comes from (hf_fields.spec_of), as the config
+#: names it (and which part of it): what a problem with the attribute is reported by
+CONFIG_FIELDS = {
+    "mamba2": {"heads": "mamba_num_heads", "head_dim": "mamba_head_dim", "state": "ssm_state_size",
+               "groups": "n_groups", "conv": "conv_kernel", "chunk": "chunk_size",
+               "dt_min": "time_step_limit (its low end)", "dt_max": "time_step_limit (its high end)"},
+    "moe": {"experts": "n_routed_experts", "top_k": "num_experts_per_tok", "d_ff": "moe_intermediate_size",
+            "shared_d_ff": "moe_shared_expert_intermediate_size", "latent": "moe_latent_size",
+            "scaling": "routed_scaling_factor"},
+    "attention": {"q_heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_dim": "head_dim"},
+    "mlp": {"d_ff": "intermediate_size"},
+}
+_SHARED_FIELDS = {"hidden": "hidden_size", "eps": "layer_norm_epsilon"}
+
+
+def _check_layer_fields(cfg: dict, blocks: list, mtp, src: Path) -> None:
+    """A NemotronHConfig value its layers cannot take, said once by the config's own field name
+    (`time_step_limit`, not dt_max) however many layers are built from it; the verifier names the rest."""
+    import re
+
+    from .hf_fields import BLOCK_TYPE
+
+    layers = [(f"layer {i}", b) for i, b in enumerate(blocks)]
+    layers += [(f"MTP layer {j}", b) for j, b in enumerate(mtp.blocks if mtp else ())]
+    by_spec: dict = {}
+    for where, b in layers:
+        by_spec.setdefault(b, []).append(where)
+    said: dict = {}  # field -> (its kind, the first message, the layers it holds for)
+    for spec, wheres in by_spec.items():
+        names = {**_SHARED_FIELDS, **CONFIG_FIELDS.get(spec.kind, {})}
+        if spec.kind == "mamba2" and cfg.get("mamba_n_groups") is not None:
+            names["groups"] = "mamba_n_groups"
+        for attr, msg in spec.check():
+            if attr not in names:
+                continue
+            for a, field in names.items():  # the message in the config's words too
+                msg = re.sub(rf"\b{a}=", f"{field.split()[0]}=", msg)
+            where = said.setdefault(names[attr], (spec.kind, msg, []))[2]  # a NaN bound breaks two checks of one
+            where.extend(w for w in wheres if w not in where)
+    problems = []
+    for field, (kind, msg, wheres) in said.items():
+        key, _, part = field.partition(" ")
+        total = sum(b.kind == kind for _, b in layers)
+        name = BLOCK_TYPE.get(kind, kind)
+        which = f"all {total} {name} layers" if len(wheres) == total and total > 1 else ", ".join(wheres[:4]) + (
+            f" and {len(wheres) - 4} more" if len(wheres) > 4 else "")
+        problems.append(f"config field {key!r}{' ' + part if part else ''}"
+                        f"{' ' if msg.startswith('must') else ': '}{msg}, in {which}")
+    if problems:
+        raise CheckpointError(f"{src}: {'; '.join(problems)}; fix it in the config")
+
+
 def program_from_config(cfg: dict, src: Path, quant: dict | None = None) -> Program:
     """The Program a config describes (no weights), every field type- and range-checked first. `quant` is
     an hf_quant_config.json, used when the config carries no quantization_config."""
@@ -187,7 +239,9 @@ def program_from_config(cfg: dict, src: Path, quant: dict | None = None) -> Prog
     prog = assemble(Embed(vocab, hidden), blocks, Norm(hidden, eps),
                     LMHead(vocab, hidden, c.get("tie_word_embeddings", False)), mtp,
                     meta={"dtype": _model_dtype(c, src), "config": cfg})
-    _check_size(prog, src)
+    _check_size(prog, src)  # first: a spec's own checks list its tensors
+    if form in ("published", "nemotron_h"):  # NemotronHConfig fields: their problems by the fields' names
+        _check_layer_fields(c, blocks, mtp, src)
     quant = c.get("quantization_config", quant)
     if form in ("published", "nemotron_h") and quant is not None:
         prog = _with_quantization(prog, quant, src)

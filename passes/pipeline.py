@@ -215,6 +215,7 @@ class _Parser:
             self.fail(str(e), at)
         except (TypeError, ValueError) as e:
             self.fail(f"pass {name!r}: {e}", at)
+        p.given = frozenset(opts)  # what the text set: `auto` settings never change these
         if cls.nested:
             self.expect("(")
             p.body = self.pipeline(")")

@@ -364,7 +364,7 @@ BAD_HF_FIELDS = [  # (changes, parts of the message)
     ({"tie_word_embeddings": "false"}, ["'tie_word_embeddings'", "true or false"]),
     ({"torch_dtype": "int64"}, ["'torch_dtype'", "int64"]),
     ({"torch_dtype": 16}, ["'torch_dtype'", "string"]),
-    ({"num_attention_heads": 0}, ["q_heads", "must be > 0"]),
+    ({"num_attention_heads": 0}, ["'num_attention_heads'", "must be > 0"]),
     ({"num_hidden_layers": 7}, ["num_hidden_layers", "7", "6 layers"]),
     ({"block_configs": 3}, ["'block_configs'", "list"]),
 ]

@@ -49,14 +49,20 @@ def test_the_default_profile_gives_a_child_every_engine_loads(meta_lib, method, 
     assert_served(child, configs(child)[0])
 
 
-def test_tensorrt_llm_builds_the_mtp_heads_attention_from_the_top_level():
+def test_tensorrt_llm_and_all_put_one_rule_on_the_mtp_heads_attention():
+    """Both build the head's attention from the top level: a trunk attention is offered where mtp-match-attention
+    can take the head's to it (KV heads merged, whole KV groups dropped), under either profile alike."""
     att = Attention(128, 4, 2, 32)
     head = MTP(128, (att, MoE(128, 8, 2, 128, 128)))
-    trt = get_engine("tensorrt-llm")
-    assert "MTP head" in trt.refusal(att.replace(kv_heads=1), att, "", head)
-    assert trt.refusal(att, att, "", head) == ""
-    assert get_engine("vllm").refusal(att.replace(kv_heads=1), att, "", head) == ""
-    assert get_engine("tensorrt-llm").refusal(att.replace(kv_heads=1), att, "") == ""  # no head: no rule
+    trt, every = get_engine("tensorrt-llm"), get_engine("all")
+    reachable = (att, att.replace(kv_heads=1), att.replace(q_heads=2, kv_heads=1))  # itself, merged, one group
+    unreachable = (att.replace(q_heads=2), att.replace(head_dim=16))  # query heads cut within a group, narrower
+    for spec in reachable + unreachable:
+        assert bool(trt.refusal(spec, att, "", head)) == bool(every.refusal(spec, att, "", head)) \
+            == (spec in unreachable), spec
+    assert "MTP head" in trt.refusal(att.replace(q_heads=2), att, "", head)
+    assert get_engine("vllm").refusal(att.replace(q_heads=2), att, "", head) == ""  # reads the head's own fields
+    assert trt.refusal(att.replace(q_heads=2), att, "") == ""  # no head: no rule
 
 
 def test_lifting_the_rules_finds_a_better_child_the_engines_cannot_load(meta_lib):

@@ -130,7 +130,7 @@ def add_workload_arguments(parser, mtp: bool = True) -> None:
         return
     g.add_argument("--mtp", action="store_true", help="serve with speculative decoding: the MTP head drafts "
                                                       "--mtp-draft tokens per step")
-    g.add_argument("--mtp-draft", type=positive_int, default=3, help="tokens drafted per step with --mtp (default 3)")
+    g.add_argument("--mtp-draft", type=positive_int, help="tokens drafted per step with --mtp (default 3)")
     g.add_argument("--mtp-acceptance", type=number(float, 1),
                    help="mean tokens per step with --mtp (default: what mtp-check measured, from the checkpoint)")
 
@@ -161,12 +161,21 @@ def ssm_dtype_of(args, prog=None) -> str | None:
 
 
 def scenario_of(args, prog=None, name: str | None = None, **more):
-    """The scenario named by --scenario (or `name`) with the workload options (and `more` fields) applied."""
+    """The scenario named by --scenario (or `name`) with the workload options (and `more` fields) applied; the
+    drafting options without --mtp are said to do nothing (once, on stderr)."""
     from ..backends.cost import get_scenario
+    from ..backends.serving import DEFAULT_DRAFTS
 
     over = {"input_len": args.input_len, "output_len": args.output_len, "rate_floor": args.rate_floor,
             "gpus": args.gpus, "layout": args.layout, "ssm_dtype": ssm_dtype_of(args, prog),
             "cuda_graphs": getattr(args, "cuda_graphs", None), **more}
+    drafting = {"mtp_draft": "--mtp-draft", "mtp_acceptance": "--mtp-acceptance",
+                "child_mtp_acceptance": "--child-mtp-acceptance"}
+    unused = [flag for dest, flag in drafting.items() if getattr(args, dest, None) is not None]
+    if unused and not getattr(args, "mtp", False) and not getattr(args, "drafting_noted", False):
+        args.drafting_noted = True  # once per command, however many scenarios it prices
+        print(f"note: {' and '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without --mtp "
+              "(plain decoding is priced)", file=sys.stderr)
     if getattr(args, "mtp", False):
         if prog is not None and not prog.find("mtp"):
             raise UsageError("--mtp prices drafting with the model's MTP head, and the model has none "
@@ -176,9 +185,32 @@ def scenario_of(args, prog=None, name: str | None = None, **more):
         if not acceptance:
             raise UsageError("--mtp needs the head's acceptance length: give --mtp-acceptance (mean tokens per step), "
                              "or price a checkpoint written by a pipeline that ran mtp-check")
-        drafts = args.mtp_draft if args.mtp_acceptance or not measured else measured.get("drafts", args.mtp_draft)
+        given = args.mtp_draft or DEFAULT_DRAFTS
+        drafts = given if args.mtp_acceptance or not measured else measured.get("drafts", given)
+        if args.mtp_draft and drafts != args.mtp_draft:  # the stored acceptance belongs to its own draft count
+            raise UsageError(f"--mtp-draft {args.mtp_draft}: the checkpoint's acceptance ({acceptance:g}) was "
+                             f"measured drafting {drafts}; give --mtp-acceptance for {args.mtp_draft} drafts, or drop "
+                             "--mtp-draft")
         over |= {"mtp_draft": drafts, "mtp_acceptance": acceptance}
     return get_scenario(name or args.scenario, **over)
+
+
+def check_prices(target: str, prices: str | None) -> None:
+    """Before any work: a `--prices` the target cannot take (the tables for a GPU they do not cover, or without
+    the extra; any on the cpu target) is refused, naming why and what to give instead (backends/cost/prices.py)."""
+    from ..backends.cost.prices import source_of
+    from ..backends.targets import get_target
+
+    source_of(get_target(target), prices)
+
+
+def note_head_options(args, prog, options: dict) -> None:
+    """Options that only mean something for a model with an MTP head (`options`: argparse name -> flag), given
+    for a model without one: said once on stderr, rather than ignored without a word."""
+    given = [flag for dest, flag in options.items() if getattr(args, dest, None) is not None]
+    if given and not prog.find("mtp"):
+        print(f"note: {' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect: "
+              f"{getattr(args, 'model', None) or 'the model'} has no MTP head (no head work is run)", file=sys.stderr)
 
 
 def compute_of(args):

@@ -74,8 +74,8 @@ def _check_cost_table(args, out: Path) -> None:
 
     if get_target(args.target).kind != "cpu":
         if args.cost_table:
-            raise UsageError(f"--cost-table: target {args.target} is priced analytically, not from timings; "
-                             "drop --cost-table")
+            raise UsageError(f"--cost-table: target {args.target} is priced analytically or from the measured "
+                             "tables, not from timings; drop --cost-table")
         return
     if args.cost_table:
         src = Path(args.cost_table)
@@ -128,9 +128,10 @@ def compress(args, progress: bool = True) -> dict:
     """Runs every stage that has not finished; returns the summary (also OUT/work/summary.json)."""
     from .default_model import model_path
 
-    from .common import compute_of
+    from .common import check_prices, compute_of
 
     compute_of(args)  # before any work: a device this machine lacks is a usage error
+    check_prices(args.target, args.prices)  # and prices the target cannot take (as `cost` refuses them)
     _check_cost_table(args, Path(args.output))  # and a cost table that is not one
     if getattr(args, "tasks", None):  # and a task whose data cannot be had, or options it cannot take
         from .tasks import check_task_options, load_tasks, task_names
@@ -172,15 +173,17 @@ def _check_before_run(args, parent, out: Path) -> bool:
     from ..errors import read_text
     from ..passes import parse_pipeline, resolve_pipeline
     from ..passes.pipeline import PIPELINES_DIR
+    from .common import note_head_options
     from .estimate import check_before_run
 
+    note_head_options(args, parent, {"head_steps": "--head-steps", "mtp_tolerance": "--mtp-tolerance"})
     library = Path(args.library) if args.library else out / "library"
     template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
     text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
     passes = head_work(parse_pipeline(resolve_pipeline(text)), parent)
     if args.library:  # an existing library: no library stage to run
         passes = [p for p in passes if getattr(p, "pass_name", "") != "library"]
-    return check_before_run(args, passes, parent, announce=True,
+    return check_before_run(args, passes, parent, announce=True, plan=True,
                             left_out="the outputs after the child is written (ONNX graphs, the engine bundle, "
                                      "the report's evaluations)")
 

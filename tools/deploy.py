@@ -11,15 +11,17 @@ from .common import compute_of, emit, load_model, scenario_of, versions, warn_un
 def cost(args) -> int:
     from ..backends.cost import best_layout
     from ..backends.cost.explain import explain, format_explain
-    from ..backends.cost.prices import provider_for
+    from ..backends.cost.precision import weights_label
+    from ..backends.cost.prices import provider_for, source_of
     from ..backends.measured import MeasuredProvider
     from ..backends.targets import get_target
     from ..ir.printer import format_table
 
     compute = compute_of(args)
+    target = get_target(args.target)
+    source_of(target, args.prices)  # a --prices the target cannot take: refused before the model is read
     prog = load_model(args)
     warn_unrunnable_recipe(args.recipe, [args.target])
-    target = get_target(args.target)
     provider = MeasuredProvider(compute=compute) if target.kind == "cpu" else \
         provider_for(target, args.prices, args.engine)
     sc = scenario_of(args, prog, recipe=args.recipe, concurrency=args.concurrency)
@@ -41,9 +43,10 @@ def cost(args) -> int:
     mtp = (f", MTP drafting {s.mtp_draft} at {s.mtp_acceptance:g} tokens/step" if s.mtp_draft else "")
     p = r.prices
     source = (f"priced by {p['provider']}" + (f" ({p['library']}, {p['database']} tables of {p['system']}, "
-                                              f"{p['mode']})" if p["provider"] == "tables" else "") + "\n")
+                                              f"{p['mode']})" if p["provider"] == "tables" else "")
+              + (f"; {p['note']}" if p.get("note") else "") + "\n")
     head = source + (f"{r.target}, scenario {s.name}: {s.input_len} in / {s.output_len} out, context {s.context_len}, "
-            f"rate floor {s.rate_floor:g} tok/s, KV {s.kv_dtype}, weights {s.recipe or 'bf16'}{mtp}\n"
+            f"rate floor {s.rate_floor:g} tok/s, KV {s.kv_dtype}, weights {weights_label(prog, s.recipe)}{mtp}\n"
             f"layout {r.layout}" + (" (pinned)" if s.layout else f" (best of {priced}"
             + (f"; {len(r.layouts) - priced} no engine splits the model over" if priced < len(r.layouts) else "")
             + ")") + "\n")

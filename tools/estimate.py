@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import UsageError
+from ..estimate.hardware import Untimed  # noqa: F401  (the check before a run prices no time)
 
 
 def add_estimate_arguments(parser) -> None:
@@ -27,16 +28,19 @@ def library_passes(args) -> list:
 
 
 def check_before_run(args, passes: list, prog, writes: bool = True, announce: bool = False,
-                     left_out: str = "") -> bool:
-    """With `--estimate`: prints the estimate (or its JSON) and returns True (the command stops). Otherwise refuses
+                     left_out: str = "", plan: bool = False) -> bool:
+    """Sets on `passes` the settings `auto` chooses to fit (estimate.choose), printed with the estimate. With
+    `--estimate`: prints the estimate (or its JSON) and returns True (the command stops). Otherwise refuses
     (exit 2) a run one of whose stages would not fit the memory it has, and returns False; `announce` (a long run:
-    compress, library) prints the whole estimate on stderr first, once."""
+    compress, library) prints the whole estimate on stderr first, once. `plan`: the stages after the search at the
+    child a weightless search picks (compress)."""
     from ..estimate import estimate, parse_hardware
     from ..memory import budget
     from .common import emit
 
     hw = parse_hardware(getattr(args, "hardware", None), getattr(args, "device", "auto"))
-    host = budget(args.max_memory) if hw.kind == "cpu" or args.max_memory else 2**62
+    # each process's budget: --max-memory, or half of its share of the host (a node's GPUs share it)
+    host = budget(args.max_memory) if hw.kind == "cpu" or args.max_memory else hw.host_bytes // 2
     model = getattr(args, "model", None) or "the built-in model"
     timed = getattr(args, "estimate", False) or (announce and not args.json)
     if timed and hw.kind == "cpu":  # blocks are timed with the threads the run would take
@@ -44,30 +48,17 @@ def check_before_run(args, passes: list, prog, writes: bool = True, announce: bo
 
         use_threads(prog.param_counts()["total"], getattr(args, "threads", 0))
     est = estimate(passes, prog, hw, host, model, rates=None if timed else Untimed(hw), writes=writes,
-                   left_out=left_out)
+                   left_out=left_out, plan=plan, auto=True)
+    for p, options in est.chosen:  # the passes this command runs take what auto chose
+        for k, v in options.items():
+            setattr(p, k, v)
     if getattr(args, "estimate", False):
         emit(args, est.as_json(), est.format())
         return True
     if timed:
         print(est.format(), end="", file=sys.stderr, flush=True)
+    elif est.chosen and not getattr(args, "json", False):
+        print(est.choices(), file=sys.stderr, flush=True)
     if not est.fits:
         raise UsageError(est.refusal())
     return False
-
-
-class Untimed:
-    """Rates for the check before a run: memory decides, so no block is timed."""
-
-    def __init__(self, hw):
-        self.hw = hw
-
-    def forward(self, op, rows, seq) -> float:
-        return 0.0
-
-    train = forward
-
-    def elements(self, n) -> float:
-        return 0.0
-
-    def read_rate(self, prog) -> float:
-        return float("inf")

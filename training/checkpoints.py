@@ -1,6 +1,7 @@
 """Checkpoints of a training run's state: `FileCheckpoint` (one `torch.save` file written by rank 0: the default,
 for unsharded and DDP models) and `ShardedCheckpoint` (a `torch.distributed.checkpoint` directory every rank
-writes its shards into, for FSDP; it reshards on load, so a run resumes on another number of processes)."""
+writes its shards into, for FSDP; it reshards on load, so a run resumes on another number of processes), and
+`save_tensors` / `load_tensors` for a set of tensors kept on disk beside them (a run's best weights)."""
 from __future__ import annotations
 
 import contextlib
@@ -182,3 +183,38 @@ class ShardedCheckpoint:
             os.replace(self.tmp, self.path)
             shutil.rmtree(self.old, ignore_errors=True)
         barrier(world)
+
+
+def save_tensors(tensors: dict, path: Path) -> None:
+    """`tensors` (plain or DTensor shards: every process calls this with its own) as a
+    `torch.distributed.checkpoint` directory at `path`, replaced atomically: written into `<path>.tmp`, then
+    renamed over the old one by rank 0. A later `load_tensors` reshards to its own layout."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    rank, world = _world()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(world)
+    with _single_process_quiet():
+        dcp.save(tensors, checkpoint_id=str(tmp))
+    barrier(world)
+    if rank == 0:
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier(world)
+
+
+def load_tensors(tensors: dict, path: Path) -> dict:
+    """Fills `tensors` (this process's layout: plain tensors or DTensor shards) in place from a
+    `save_tensors` directory; returns them."""
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_quiet():
+        dcp.load(tensors, checkpoint_id=str(path))
+    return tensors

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from ..errors import PuzzlekitError
 from ..eta import Remaining, bars
 from .checkpoints import FileCheckpoint, ShardedCheckpoint
+from .optimizers import build
 from .ranks import _finite_everywhere, nonfinite_parameters
 
 
@@ -28,7 +29,9 @@ class TrainingError(PuzzlekitError):
 
 @dataclass
 class Schedule:
-    """AdamW (betas 0.9/0.95) with linear warmup then cosine decay to `min_lr_ratio * lr`."""
+    """AdamW (betas 0.9/0.95) with linear warmup then cosine decay to `min_lr_ratio * lr`. `algorithm` is the
+    AdamW's state (training.optimizers): "adamw" (float32 moments, torch's), "adamw-bf16" (bfloat16 moments,
+    bfloat16 parameters rounded stochastically, by `seed`) or "adamw-8bit" (torchao's 8-bit moments)."""
 
     steps: int
     lr: float
@@ -36,6 +39,8 @@ class Schedule:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     clip: float = 1.0
+    algorithm: str = "adamw"
+    seed: int = 0
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
@@ -48,8 +53,8 @@ class Schedule:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         decay = [p for n, p in named if p.dim() >= 2 and "embeddings" not in n]
         rest = [p for n, p in named if not (p.dim() >= 2 and "embeddings" not in n)]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
-                                  {"params": rest, "weight_decay": 0.0}], lr=self.lr, betas=(0.9, 0.95))
+        return build(self.algorithm, [{"params": decay, "weight_decay": self.weight_decay},
+                                      {"params": rest, "weight_decay": 0.0}], lr=self.lr, seed=self.seed)
 
 
 @dataclass
@@ -132,7 +137,10 @@ def fit(model: torch.nn.Module, step_loss: Callable[..., tuple[torch.Tensor, dic
     while step < schedule.steps and not stopped:  # a run a callback stopped stays stopped when resumed
         lr = schedule.lr_at(step)
         for g in opt.param_groups:
-            g["lr"] = lr
+            if isinstance(g["lr"], torch.Tensor):  # (torchao's optimizers hold it as a tensor)
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
         if micro == 1:
             loss, parts = step_loss(step)
             here, everywhere = _finite_everywhere(loss)

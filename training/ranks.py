@@ -34,7 +34,8 @@ def dist_timeout() -> datetime.timedelta:
 
 def distributed() -> tuple[int, int]:
     """(rank, world size); joins the torchrun process group when launched by torchrun: NCCL with each rank
-    on its own GPU (cuda:LOCAL_RANK) where CUDA is, gloo otherwise, with `dist_timeout()`."""
+    on its own GPU (cuda:LOCAL_RANK) and gloo for host tensors where CUDA is, gloo otherwise, with
+    `dist_timeout()`."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
@@ -45,7 +46,8 @@ def distributed() -> tuple[int, int]:
         if torch.cuda.is_available():
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timeout)
+            # gloo beside NCCL: FSDP's shards in host memory (offload) reduce their gradient norms on the host
+            dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local), timeout=timeout)
         else:
             dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), world
@@ -88,7 +90,7 @@ def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
     bad, device = [], "cpu"
     for n, p in model.named_parameters():
         local = _local(p)
-        device = local.device
+        device = torch.device(p.device_mesh.device_type) if hasattr(p, "device_mesh") else local.device
         if not torch.isfinite(local).all():
             bad.append(n)
     if _any_rank(bool(bad), device) and not bad:

@@ -56,7 +56,11 @@ class AnalyticProvider(PricedAhead):
 
     def describe(self) -> dict:
         """What the prices came from: recorded in plan.json and printed by `cost` and the report."""
-        return {"provider": "analytic", "efficiency": "backends/cost/analytic.py: Efficiency"}
+        from .tables_db import own_figures_note
+
+        note = own_figures_note(self.target, tables=False)
+        return {"provider": "analytic", "efficiency": "backends/cost/analytic.py: Efficiency"} | (
+            {"note": note} if note else {})
 
     def step_overhead(self) -> float:
         return self.eff.step_overhead_seconds

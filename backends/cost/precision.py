@@ -75,3 +75,12 @@ class RecipePrecisions:
         if key not in self._formats:
             self._formats[key] = precision_of(path, param, op, self.recipe)
         return self._formats[key]
+
+
+def weights_label(prog, recipe: str | None) -> str:
+    """The weight formats a model is priced in, as `cost` states them: the recipe's where one is named, else the
+    formats the checkpoint declares (its quantization config), else bf16."""
+    stored = sorted({fmt for n in prog.nodes for _, fmt in n.op.quant if fmt != "none"})
+    if recipe:
+        return recipe + (f" (--recipe; the checkpoint stores {'+'.join(stored)})" if stored else "")
+    return f"{'+'.join(stored)} as the checkpoint declares them (bf16 elsewhere)" if stored else "bf16"

@@ -22,7 +22,7 @@ from .analytic import AnalyticProvider, Efficiency
 from .precision import BYTES, MATH
 from .price_cache import kept_prices
 from .provider import Deployment, PricedAhead
-from .tables_db import DATABASES, LIBRARY_VERSION, MODE, SYSTEMS, Tables, missing, system_of
+from .tables_db import DATABASES, LIBRARY_VERSION, MODE, SYSTEMS, Tables, missing, own_figures_note, system_of
 
 #: engine profile -> the tables of the engine serving it (`all`: TensorRT-LLM's, the most complete for NemotronH)
 BACKENDS = {"tensorrt-llm": "trtllm", "vllm": "vllm", "sglang": "sglang", "all": "trtllm", "none": "trtllm"}
@@ -115,9 +115,11 @@ class TablesProvider(PricedAhead):
 
     def describe(self) -> dict:
         """What the prices came from: recorded in plan.json and printed by `cost` and the report."""
+        note = own_figures_note(self.target, tables=True)
         return {"provider": "tables", "library": f"aiconfigurator-core {LIBRARY_VERSION}", "system": self.system,
                 "engine": self.engine, "database": f"{self.backend} {DATABASES[self.backend]}", "mode": MODE,
-                "own_terms": {"mamba_memory": self.own.eff.mamba_memory, "mamba_compute": self.own.eff.mamba_compute}}
+                "own_terms": {"mamba_memory": self.own.eff.mamba_memory, "mamba_compute": self.own.eff.mamba_compute},
+                **({"note": note} if note else {})}
 
     # -- the Provider interface ---------------------------------------------------------------------------------
     def step_overhead(self) -> float:

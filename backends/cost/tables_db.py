@@ -6,13 +6,14 @@ row kept per call shape). The library is imported here only, when tables are fir
 from __future__ import annotations
 
 import json
+import sys
 from functools import lru_cache
 
 import numpy as np
 
 from ...errors import PuzzlekitError
 from ...outputs import cache_dir, write_text
-from ..targets import Target
+from ..targets import TARGETS, Target
 
 #: the library version and databases the prices are pinned to (a plan made with them is reproducible)
 LIBRARY_VERSION = "0.12.0"
@@ -36,6 +37,23 @@ def system_of(target: Target) -> str:
     """The tables' system for a GPU target ("" when none): h100, h200, b200 and their nodes."""
     return SYSTEMS.get(target.name.split("x", 1)[-1] if target.devices > 1 else target.name, "") \
         if target.kind == "gpu" else ""
+
+
+def built_in(target: Target) -> bool:
+    """Whether `target` is a built-in one, by its every figure and not its name (a target file named h100 is not)."""
+    return TARGETS.get(target.name) == target
+
+
+def own_figures_note(target: Target, tables: bool) -> str:
+    """What prices a target file whose name the tables cover ("" for any other target): with `tables`
+    (--prices tables) the tables of the GPU it names, else its own figures."""
+    system = system_of(target)
+    if not system or built_in(target):
+        return ""
+    if tables:
+        return (f"target file {target.name}: its kernels are priced from the {system} tables (--prices tables), not "
+                "by its bandwidth and peaks; its memory and puzzlekit's own terms use its figures")
+    return f"target file {target.name}: priced by its own figures (--prices tables prices it from the {system} tables)"
 
 
 @lru_cache(maxsize=None)
@@ -109,8 +127,12 @@ class Tables:
                                                 for w, by_f in by_w.items() for f, by_t in by_f.items()
                                                 for t, by_p in by_t.items() for p, rows in by_p.items() if rows})
                                 for q, by_q in table.items()}
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_text(path, json.dumps(self._shapes))
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    write_text(path, json.dumps(self._shapes))
+                except OSError as e:  # an unwritable cache: read again next time, as the price cache does
+                    print(f"puzzlekit: the tables' expert shapes not kept for later runs ({path}: {e})",
+                          file=sys.stderr)
         return self._shapes
 
     def ops_json(self, parts) -> tuple:

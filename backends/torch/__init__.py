@@ -61,18 +61,30 @@ class ProgramModule(nn.Module):
         use_export_form(self)
         return self
 
-    def _run(self, ids, state, decode, keep=()):
+    def _run(self, ids, state, decode, keep=(), project=True):
         if ids.device != self.compute.device:
             ids = ids.to(self.compute.device)
         with self.compute.autocast():
-            return self._run_nodes(ids, state, decode, keep)
+            return self._run_nodes(ids, state, decode, keep, project)
 
-    def _run_nodes(self, ids, state, decode, keep):
-        return run_nodes(self.program, self._nodes, ids, state, decode, keep, self.contiguous_state)
+    def _run_nodes(self, ids, state, decode, keep, project=True):
+        return run_nodes(self.program, self._nodes, ids, state, decode, keep, self.contiguous_state, project)
 
-    def forward(self, input_ids):
-        outs, _ = self._run(input_ids, None, False)
+    def forward(self, input_ids, project: bool = True):
+        """The program's outputs. `project` false: each output's hidden state before the vocabulary projection
+        (the trunk's after its final norm, the MTP head's after its own), then the projection's matrix (a view,
+        so that a data-parallel wrapper sees it used): the losses over the vocabulary build the logits a chunk
+        of tokens at a time from them (evaluation.vocab)."""
+        outs, _ = self._run(input_ids, None, False, project=project)
+        if not project:
+            return (*outs, self.head_weight().view_as(self.head_weight()))
         return outs if len(outs) > 1 else outs[0]
+
+    def head_module(self) -> nn.Module:
+        return next(m for n, m in self._nodes if n.op.kind == "lm_head")
+
+    def head_weight(self) -> torch.Tensor:
+        return head_matrix(self.head_module())
 
     def values(self, input_ids, *names):
         """Intermediate SSA values (e.g. the trunk's last hidden state) of a fresh prefill, by name."""
@@ -87,10 +99,17 @@ class ProgramModule(nn.Module):
         return self._run(token_ids.reshape(-1, 1), state, True)
 
 
-def run_nodes(program: Program, nodes, ids, state, decode: bool, keep=(), contiguous: bool = True):
+def head_matrix(head: nn.Module) -> torch.Tensor:
+    """An LM head module's [vocab, hidden] matrix (the embedding's, when tied)."""
+    return head.embedding.weight if isinstance(head, TiedHead) else head.weight
+
+
+def run_nodes(program: Program, nodes, ids, state, decode: bool, keep=(), contiguous: bool = True,
+              project: bool = True):
     """One step of `program` over `ids` from the decode `state` (None: a fresh sequence): its outputs and new
     state, or the values named in `keep`. `nodes` yields (node, module) in program order (a ProgramModule's
-    own, or a stream's, read as they run)."""
+    own, or a stream's, read as they run). `project` false: the LM head and the MTP head's projection are left
+    out, the outputs are the hidden states they would project."""
     env = {program.inputs[0]: ids}
     new_state, i = [], 0
     for n, m in nodes:
@@ -98,9 +117,11 @@ def run_nodes(program: Program, nodes, ids, state, decode: bool, keep=(), contig
         if n.op.is_block or n.op.kind == "mtp":
             cnt = len(n.op.state_shapes())
             past = None if state is None or not cnt else tuple(state[i:i + cnt])
-            out, st = m(*args, past, decode)
+            out, st = m(*args, past, decode) if project or n.op.kind != "mtp" else m(*args, past, decode, False)
             new_state += [t.contiguous() for t in st] if contiguous else list(st)
             i += cnt
+        elif not project and n.op.kind == "lm_head":
+            out = args[0]
         else:
             out = m(*args)
         env[n.name] = out
@@ -122,8 +143,8 @@ def load_into(root: nn.Module, w: WeightStore, device, nodes, base: str = "") ->
     ProgramModule, a node's path for that node's module alone); `nodes` are the nodes it holds.
 
     Every tensor is assigned in place of the module's own (no load_state_dict walk over the module tree);
-    a layer's routed experts are read together (`WeightStore.get_many`: one read per run of the file) and
-    stacked."""
+    a layer's routed experts are read into their stacked tensors a run of experts at a time (`_stacked`), so
+    loading them holds one copy of the layer, not its experts twice."""
     wanted = []  # per module: [(attribute, is buffer, checkpoint names)], stacked
     for path, mod in root.named_modules():
         prefix = ".".join(p for p in (base, path) if p)
@@ -138,10 +159,9 @@ def load_into(root: nn.Module, w: WeightStore, device, nodes, base: str = "") ->
     if missing:
         raise KeyError(f"the weight store lacks {sorted(missing)[:3]}")
     for mod, attrs, stacked in wanted:
-        got = iter(w.get_many([n for *_, names in attrs for n in names]))  # a layer's experts: one read
-        for attr, buffer, names in attrs:
-            parts = [_dense(next(got)) for _ in names]
-            t = (torch.stack(parts) if stacked else parts[0]).to(device)
+        got = _stacked(w, attrs, device) if stacked else \
+            [_dense(t).to(device) for t in w.get_many([names[0] for *_, names in attrs])]
+        for (attr, buffer, names), t in zip(attrs, got):
             old = getattr(mod, attr)
             if tuple(t.shape) != tuple(old.shape):
                 raise ValueError(f"{names[0]}: the store holds {tuple(t.shape)}, the module expects "
@@ -157,6 +177,43 @@ def load_into(root: nn.Module, w: WeightStore, device, nodes, base: str = "") ->
             if act:
                 module = f"{n.path}.{local.rsplit('.', 1)[0]}"
                 _quantize_input(root, module[cut:], act, w.get(f"{module}.input_scale").to(device))
+
+
+#: bytes of a layer's experts read at a time into their stacked tensors (a sixteenth of them, at least 8 MiB)
+STACK_CHUNK_BYTES = 64 << 20
+
+
+def _stacked(w: WeightStore, attrs: list, device) -> list[torch.Tensor]:
+    """Each attribute's per-expert tensors stacked, read straight into the stacked tensors a run at a time, each
+    run freed before the next is read: the peak is the stacked tensors and a run, where stacking what one read of
+    the layer gave held its experts twice. Runs follow the names' order, a checkpoint's (safetensors stores a
+    file's tensors by name), so each is one read of its span (`WeightStore.get_many`); what a run holds goes in
+    by ranges of consecutive experts (experts 100-109 follow each other by name), one stack each."""
+    slot = {n: (k, j) for k, (*_, names) in enumerate(attrs) for j, n in enumerate(names)}
+    order = sorted(slot)
+    sizes = [w.nbytes(names[0]) for *_, names in attrs]
+    run = max(1, min(STACK_CHUNK_BYTES, max(8 << 20, sum(sizes) * len(attrs[0][2]) // 16)) // max(1, max(sizes)))
+    out = [None] * len(attrs)
+    for a in range(0, len(order), run):
+        names, got = order[a:a + run], {}
+        for n, t in zip(names, w.get_many(names)):
+            got.setdefault(slot[n][0], []).append((slot[n][1], _dense(t)))
+        for k, items in got.items():
+            items.sort(key=lambda item: item[0])
+            if out[k] is None:
+                out[k] = torch.empty((len(attrs[k][2]), *items[0][1].shape), dtype=items[0][1].dtype, device=device)
+            first = 0
+            for e in range(1, len(items) + 1):
+                if e < len(items) and items[e][0] == items[e - 1][0] + 1:
+                    continue
+                into, parts = out[k][items[first][0]:items[e - 1][0] + 1], [t for _, t in items[first:e]]
+                if into.device == parts[0].device:
+                    torch.stack(parts, out=into)
+                else:  # onto the device: one copy of the range
+                    into.copy_(torch.stack(parts))
+                first = e
+        del got, items, parts
+    return out
 
 
 def load_tensors(module: nn.Module, tensors: dict, device=None) -> nn.Module:

@@ -26,7 +26,7 @@ from torch import nn
 
 from ...ir.program import Node, Program
 from ...memory import scratch_file
-from . import _dense, hold_in, load_into, run_nodes
+from . import _dense, head_matrix, hold_in, load_into, run_nodes
 from .device import CPU, Compute
 
 #: attach(node, module) -> finish() or None: called before a node runs over the windows; finish() after it
@@ -88,8 +88,17 @@ class Recorded:
     """A model's outputs on one set of windows in one batching (`StreamedProgram.record`), in tapes sharing
     `room` bytes: `outputs` as a streamed model's, for those windows and that batch only."""
 
-    def __init__(self, source: StreamedProgram, windows: torch.Tensor, batch: int, room: list[int]):
+    def __init__(self, source: StreamedProgram, windows: torch.Tensor, batch: int, room: list[int],
+                 project: bool = True):
         self.source, self.windows, self.batch, self.room, self.tapes = source, windows, batch, room, {}
+        self.project = project  # false: the hidden states the LM head would project were recorded
+        self.compute = source.compute
+
+    def head_module(self) -> nn.Module:
+        return self.source.head_module()
+
+    def head_weight(self) -> torch.Tensor:
+        return self.source.head_weight()
 
     def named_parameters(self):
         """The recorded model's weights, to name the non-finite ones when its outputs are not finite."""
@@ -99,9 +108,10 @@ class Recorded:
         for name, value in out.items():
             self.tapes.setdefault(name, Tape(self.room)).append(value)
 
-    def outputs(self, windows: torch.Tensor, batch: int = 8):
-        if batch != self.batch or not torch.equal(windows, self.windows):
-            raise ValueError("recorded outputs are read for the windows and batch they were recorded on")
+    def outputs(self, windows: torch.Tensor, batch: int = 8, project: bool = True):
+        if batch != self.batch or not torch.equal(windows, self.windows) or project != self.project:
+            raise ValueError("recorded outputs are read for the windows and batch they were recorded on, projected or "
+                             "not as they were recorded")
         start = 0
         for b in range(len(next(iter(self.tapes.values())))):
             vals = {name: tape[b] for name, tape in self.tapes.items()}
@@ -209,10 +219,24 @@ class StreamedProgram:
             self.release()
 
     # -- running ----------------------------------------------------------------------------------------------
-    def _apply(self, node: Node, m: nn.Module, args: list) -> torch.Tensor:
+    def _apply(self, node: Node, m: nn.Module, args: list, project: bool = True) -> torch.Tensor:
+        """`node`'s output; `project` false: the LM head and the MTP head's projection left out (their inputs)."""
+        if not project and node.op.kind == "lm_head":
+            return args[0]
         with self.compute.autocast():
-            out = m(*args, None, False) if node.op.is_block or node.op.kind == "mtp" else m(*args)
+            if node.op.kind == "mtp" and not project:
+                out = m(*args, None, False, False)
+            else:
+                out = m(*args, None, False) if node.op.is_block or node.op.kind == "mtp" else m(*args)
         return out[0] if isinstance(out, tuple) else out
+
+    def head_module(self) -> nn.Module:
+        return self.module(self.program.find("lm_head")[0])
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's matrix (the embedding's when tied): with `outputs(project=False)`, what the metrics build
+        the logits from, a chunk of tokens at a time (evaluation.vocab)."""
+        return head_matrix(self.head_module())
 
     def trunk_end(self) -> int:
         """Index of the first node after the last block: the nodes from there run batch by batch."""
@@ -248,10 +272,11 @@ class StreamedProgram:
             yield node, out, {k: env[k] for k in keep if k in env}
 
     @torch.no_grad()
-    def outputs(self, windows: torch.Tensor, batch: int = 8, names=None,
-                attach: Attach | None = None) -> Iterator[tuple[slice, dict[str, torch.Tensor]]]:
+    def outputs(self, windows: torch.Tensor, batch: int = 8, names=None, attach: Attach | None = None,
+                project: bool = True) -> Iterator[tuple[slice, dict[str, torch.Tensor]]]:
         """Per batch of rows of `windows`: {name: value} of `names` (default: the program's outputs; any SSA
-        value may be named)."""
+        value may be named). `project` false: the outputs are the hidden states the LM head would project
+        (see `head_weight`)."""
         names = tuple(names or self.program.outputs)
         later = self.program.nodes[self.trunk_end():]
         keep = {*names, *(a for n in later for a in n.args), self.program.inputs[0]}
@@ -264,7 +289,7 @@ class StreamedProgram:
         for b in range(len(env[self.program.inputs[0]])):
             vals = {k: t[b] for k, t in env.items()}
             for n, m in zip(later, mods):
-                vals[n.name] = self._apply(n, m, [vals[a] for a in n.args])
+                vals[n.name] = self._apply(n, m, [vals[a] for a in n.args], project)
             rows = len(vals[self.program.inputs[0]])
             yield slice(start, start + rows), {k: vals[k] for k in names}
             start += rows
@@ -272,12 +297,13 @@ class StreamedProgram:
             if f:
                 f()
 
-    def record(self, windows: torch.Tensor, batch: int = 8, names=None, attach: Attach | None = None) -> Recorded:
+    def record(self, windows: torch.Tensor, batch: int = 8, names=None, attach: Attach | None = None,
+               project: bool = True) -> Recorded:
         """The values `names` (default: the program's outputs) on `windows`, run once (with `attach`, e.g. a
         calibration's hooks) and kept in tapes, to be read again as this model's by the metrics: a teacher
         measured against its own changed copy is then run once, not once more for the report."""
-        kept = Recorded(self, windows, batch, [self.budget // 4])
-        for _, out in self.outputs(windows, batch, names, attach=attach):
+        kept = Recorded(self, windows, batch, [self.budget // 4], project)
+        for _, out in self.outputs(windows, batch, names, attach=attach, project=project):
             kept.add(out)
         return kept
 

@@ -108,14 +108,16 @@ class MTPHead(nn.Module):
         """The trunk's embedding and LM head, held by reference (they stay owned by the trunk)."""
         object.__setattr__(self, "shared", (embed, head))
 
-    def forward(self, h, ids, state=None, decode: bool = False):
+    def forward(self, h, ids, state=None, decode: bool = False, project: bool = True):
         """h: trunk hidden [b,t,hidden] before the final norm; ids: the tokens [b,t].
 
         state: (last trunk hidden [b,hidden], *per-block states flattened) or None.
-        Returns logits [b,t,vocab] and the new state.
+        Returns logits [b,t,vocab] (`project` false: the normed hidden state the shared LM head projects) and
+        the new state.
         """
         z, new_state = self._stack(h, ids, state, decode)
-        return self.shared[1](self.layers[-1].final_layernorm(z)), new_state
+        z = self.layers[-1].final_layernorm(z)
+        return (self.shared[1](z) if project else z), new_state
 
     def with_hidden(self, h, ids):
         """Logits and the head's own hidden state before its final norm (a fresh sequence)."""

@@ -16,11 +16,17 @@ Scaling up (see `Distill`):
 - `checkpointing=true` recomputes each block's activations in the backward (the same numbers, less memory).
 - `teacher_logits=DIR` stores the teacher's top-`topk` log-probabilities of every step's batch once
   (`TeacherStore`), so training needs no teacher in memory.
+- State that fits one node: `params=bf16` holds the blocks' parameters and gradients in bfloat16, with
+  `optimizer=adamw-bf16` (bfloat16 moments) or `adamw-8bit` (torchao's) rounding updates stochastically;
+  `offload=true` keeps FSDP2's shards and optimizer state in host memory; the kept best weights wait in host
+  memory, or on disk with `best=disk`; `teacher_dtype=fp8` holds the live teacher's matmul weights in FP8.
+  `training.state_bytes` gives each configuration's bytes per parameter.
 
 The package, by concern: `registries` (the registries, what a loss term sees, the built-in terms, data
-source and optimiser), `evaluator` (held-out evaluation, keep-best), `sharding` (building, FSDP2,
-activation checkpointing), `teacher_store` (the stored top-k's disk format), `run` (`distill()`); this
-module holds the `Distill` pass and re-exports their names. Importing it registers the built-ins.
+source and optimiser), `optimizers` (the optimisers whose state fits, the state options' checks),
+`evaluator` (held-out evaluation, keep-best), `sharding` (building, FSDP2, activation checkpointing, the
+FP8 teacher), `teacher_store` (the stored top-k's disk format), `run` (`distill()`); this module holds the
+`Distill` pass and re-exports their names. Importing it registers the built-ins.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from ..manager import reporting
 # re-exported for importing; to replace one (a test's monkeypatch), set it on its own module, which is where
 # the others look it up (e.g. sharding.shard_model, teacher_store.CHUNK_BYTES)
 from .evaluator import Evaluator
+from .optimizers import adamw_8bit, adamw_bf16, check_options
 from .registries import (CALLBACKS, DATA, LOSSES, OPTIMIZERS, Batch, Outputs, Source, adamw_cosine, cosine_loss,
                          kl_loss, lm_loss, mtp_loss, mtp_self_loss, register_callback, register_data, register_loss,
                          register_optimizer, soft_kl, text_source, topk_kl)
@@ -54,6 +61,8 @@ __all__ = [
            "SHARDS",
            "Source",
            "TeacherStore",
+           "adamw_8bit",
+           "adamw_bf16",
            "adamw_cosine",
            "checkpoint_blocks",
            "cosine_loss",
@@ -94,6 +103,18 @@ class Distill(ComputePass):
     (`topk_kl`; exact at topk = vocabulary), and the cos and mtp terms, which need the live teacher, must be
     set to 0. Neither `shard`, `accumulate` nor `checkpointing` is part of what a resumed run must match.
 
+    State that fits (bytes per parameter: `training.state_bytes`): `params=bf16` holds every block's
+    parameters (the trunk's and the MTP head's mixers: all FSDP shards as block groups) and so their
+    gradients in bfloat16, the embedding, LM head and final norms in float32; it needs a bfloat16 forward
+    and an optimizer that rounds stochastically: `optimizer=adamw-bf16` (AdamW, bfloat16 moments) or
+    `adamw-8bit` (torchao's AdamW8bit: `pip install torchao`), both also usable with float32 parameters.
+    `offload=true` (shard=fsdp) keeps the shards, gradients and optimizer state in host memory (FSDP2's
+    CPUOffloadPolicy: the optimizer steps on the host). The kept best weights wait in host memory
+    (`best=host`), or in the state directory (`best=disk`, needs `state=`), never on the device.
+    `teacher_dtype=fp8` holds the live teacher's matmul weights in FP8 E4M3 with one scale per tensor,
+    dequantised at each product (`auto`: the compute dtype). `params` and `teacher_dtype` change what is
+    trained (a resumed run must match them); `offload` and `best` do not.
+
     `head_only=true` trains the MTP head alone on `mtp` (the teacher's head) and `mtp_self` (the student's own
     trunk, which verifies the head's drafts: after pruning the teacher's head answers for another trunk), and
     keeps the weights of least MTP loss on the selection set (`selected_on` in the report: the trunk KL it
@@ -131,6 +152,11 @@ class Distill(ComputePass):
     accumulate: int = 1  # micro-batches per step: each process's rows of the global batch in this many parts
     teacher_logits: str = ""  # a directory of the teacher's stored top-k logits ("": run the teacher live)
     topk: int = 64  # how many of the teacher's log-probabilities per token teacher_logits stores
+    # state that fits one node (see above)
+    params: str = "fp32"  # the blocks' trained parameters and gradients: fp32, or bf16
+    offload: bool = False  # shard=fsdp: shards, gradients and optimizer state in host memory
+    best: str = "host"  # where the kept best weights wait: host (memory) or disk (the state directory)
+    teacher_dtype: str = "auto"  # the live teacher's matmul weights: auto (the compute dtype), or fp8
     minimum: ClassVar[dict] = {"steps": 1, "batch": 1, "seq": 2, "eval_every": 1, "eval_windows": 1,
                                "checkpoint_every": 1, "warmup": 0, "lr": 1e-12, "temperature": 1e-6,
                                "accumulate": 1, "topk": 1}
@@ -140,6 +166,7 @@ class Distill(ComputePass):
         if self.shard not in SHARDS:
             raise PassError(f"pass 'distill': shard={self.shard!r} is not one of {', '.join(SHARDS)} (ddp: a replica "
                             "per process; fsdp: parameters, gradients and optimizer state sharded over them)")
+        check_options(self)
 
     def run(self, prog, am):
         if self.head_only and not prog.find("mtp"):  # compress's recovery stage, on a model without a head

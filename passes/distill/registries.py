@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
-from ...evaluation import metrics
+from ...evaluation import metrics, vocab
+from ...evaluation.vocab import Hidden
 from ...training import Schedule
 from ..core import PassError
 
@@ -42,20 +44,36 @@ register_callback = _registrar(CALLBACKS, "callback")
 
 @dataclass
 class Outputs:
-    """One model's outputs on a batch: next-token logits, MTP logits (None without a head), and the output
-    of every block (layer i's residual stream after it; a noop block's output is its input)."""
+    """One model's outputs on a batch: its final hidden states with the LM head's matrix (`last`, a
+    `vocab.Hidden`), the MTP head's (`mtp_last`; None without a head), and the output of every block (layer i's
+    residual stream after it; a noop block's output is its input). The built-in terms build the logits from
+    `last` a chunk of tokens at a time (`evaluation.vocab`); `logits` and `mtp` build the whole float32
+    [B, T, vocab] tensors, for a registered term that needs them (at a large vocabulary, the most memory
+    of the step: prefer `vocab.summed` over chunks)."""
 
-    logits: torch.Tensor
-    mtp: torch.Tensor | None
+    last: Hidden | None
+    mtp_last: Hidden | None
     hidden: list[torch.Tensor]
+
+    @staticmethod
+    def _whole(h: Hidden | None) -> torch.Tensor | None:
+        return None if h is None else h.logits().view(*h.states.shape[:-1], h.vocab)
+
+    @cached_property
+    def logits(self) -> torch.Tensor | None:
+        return self._whole(self.last)
+
+    @cached_property
+    def mtp(self) -> torch.Tensor | None:
+        return self._whole(self.mtp_last)
 
 
 @dataclass
 class Batch:
     """What a loss term sees: token ids [B, T + 1] (inputs are ids[:, :-1], targets ids[:, 1:]).
 
-    With stored teacher logits (`teacher_logits=`) the teacher's outputs are not there (`teacher.logits` is
-    None, no hidden states, no MTP logits); `teacher_topk` holds its top-k log-probabilities and their
+    With stored teacher logits (`teacher_logits=`) the teacher's outputs are not there (`teacher.last` is
+    None, no hidden states, no MTP head); `teacher_topk` holds its top-k log-probabilities and their
     vocabulary indices instead, each [B, T, k]."""
 
     ids: torch.Tensor
@@ -90,13 +108,21 @@ def topk_kl(values: torch.Tensor, indices: torch.Tensor, student_logits: torch.T
     return metrics.topk_kl(values, indices, student_logits, temperature).mean() * temperature ** 2
 
 
+def _mean_kl(teacher: Hidden, student: Hidden, temperature: float, start: int = 0) -> torch.Tensor:
+    """`soft_kl` from hidden states (from position `start` of each sequence), over chunks of tokens."""
+    s = student.rows(start)
+    return vocab.kl_sum(teacher.rows(start), s, temperature) / len(s.states) * temperature ** 2
+
+
 @register_loss("kl")
 def kl_loss(b: Batch) -> torch.Tensor:
     """KL of the student's next-token distribution from the teacher's (from its stored top-k with
     `teacher_logits=`: see `topk_kl`)."""
-    if b.teacher.logits is None and b.teacher_topk is not None:
-        return topk_kl(*b.teacher_topk, b.student.logits, b.temperature)
-    return soft_kl(b.teacher.logits, b.student.logits, b.temperature)
+    if b.teacher.last is None and b.teacher_topk is not None:
+        s = b.student.last.rows()
+        v, ix = (t.reshape(-1, t.shape[-1]) for t in b.teacher_topk)
+        return vocab.topk_kl_sum(v, ix, s, b.temperature) / len(s.states) * b.temperature ** 2
+    return _mean_kl(b.teacher.last, b.student.last, b.temperature)
 
 
 @register_loss("cos")
@@ -113,17 +139,18 @@ def cosine_loss(b: Batch) -> torch.Tensor:
 @register_loss("lm")
 def lm_loss(b: Batch) -> torch.Tensor:
     """Next-token cross-entropy on the text itself."""
-    return metrics.nll(b.student.logits, b.ids[:, 1:]).mean()
+    s = b.student.last.rows()
+    return vocab.nll_sum(s, b.ids[:, 1:].reshape(-1).to(s.states.device)) / len(s.states)
 
 
 @register_loss("mtp")
 def mtp_loss(b: Batch) -> torch.Tensor:
     """KL of the student's MTP-head distribution from the teacher's (from position 1: position 0 of the
     head sees no trunk state)."""
-    if b.student.mtp is None or b.teacher.mtp is None:
-        who = "student" if b.student.mtp is None else "teacher"
+    if b.student.mtp_last is None or b.teacher.mtp_last is None:
+        who = "student" if b.student.mtp_last is None else "teacher"
         raise PassError(f"the mtp loss needs an MTP head on both models, and the {who} has none; set mtp=0")
-    return soft_kl(b.teacher.mtp[:, 1:], b.student.mtp[:, 1:], b.temperature)
+    return _mean_kl(b.teacher.mtp_last, b.student.mtp_last, b.temperature, start=1)
 
 
 @register_loss("mtp-self")
@@ -132,9 +159,9 @@ def mtp_self_loss(b: Batch) -> torch.Tensor:
     fixed). A draft is accepted when it matches the trunk it is attached to, not the teacher's: after pruning,
     the teacher's head answers for another trunk (self-distillation, as speculative draft heads are trained).
     From position 1, as `mtp`."""
-    if b.student.mtp is None:
+    if b.student.mtp_last is None:
         raise PassError("the mtp-self loss needs an MTP head on the student, and it has none; set mtp_self=0")
-    return soft_kl(b.student.logits[:, 1:].detach(), b.student.mtp[:, 1:], b.temperature)
+    return _mean_kl(b.student.last.detach(), b.student.mtp_last, b.temperature, start=1)
 
 
 # -- built-in data, optimiser ---------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ...evaluation import metrics
+from ...evaluation.vocab import Hidden
 from ...backends.torch.device import CPU, Compute
 from ...ir import Program
 from ...ir.identity import program_hash
@@ -21,6 +22,7 @@ from ...training import FileCheckpoint, ShardedCheckpoint, distributed, fit
 from ..core import PassError
 from .evaluator import Evaluator
 from .registries import CALLBACKS, DATA, LOSSES, OPTIMIZERS, Batch, Outputs
+from .optimizers import resumable
 from .sharding import _build, _fsdp_available, _reshard, full_state
 from .teacher_store import TeacherStore
 
@@ -37,11 +39,13 @@ def _capture(model) -> tuple[list, Callable]:
     return seen, lambda: [h.remove() for h in hooks]
 
 
-def _outputs(net, seen: list, x: torch.Tensor) -> Outputs:
+def _outputs(net, seen: list, x: torch.Tensor, compute: Compute = CPU) -> Outputs:
+    """The model's final hidden states (and its MTP head's) with the LM head's matrix, not its logits: the loss
+    terms build those a chunk of tokens at a time, in `compute`'s precision (evaluation.vocab)."""
     seen.clear()
-    out = net(x)
-    logits, mtp = out if isinstance(out, tuple) else (out, None)
-    return Outputs(logits, mtp, list(seen))
+    *states, weight = net(x, project=False)
+    heads = [Hidden(h, weight, compute.autocast) for h in states]
+    return Outputs(heads[0], heads[1] if len(heads) > 1 else None, list(seen))
 
 
 def parse_terms(d: Distill, head: bool = True) -> dict[str, float]:
@@ -134,8 +138,10 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
         mesh = init_device_mesh(compute.device.type, (world,))
     # the training forward may use TF32 for its float32 matmuls on CUDA; the teacher computes exactly
     trains = replace(compute, tf32=True)
-    student = _build(prog, trains, mesh, train=True, checkpointing=d.checkpointing)
-    teacher = None if store else _build(teacher_prog, compute, mesh, train=False, checkpointing=False)
+    student = _build(prog, trains, mesh, train=True, checkpointing=d.checkpointing, params=d.params,
+                     offload=d.offload)
+    teacher = None if store else _build(teacher_prog, compute, mesh, train=False, checkpointing=False,
+                                        teacher_dtype=d.teacher_dtype)
     head = [n.path for n in prog.nodes if n.op.kind == "mtp"]
     if d.head_only:
         if not head:
@@ -169,10 +175,10 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
         x = ids[:, :-1]
         if store is None:
             with torch.no_grad():
-                t_out, topk = _outputs(teacher, t_seen, x), None
+                t_out, topk = _outputs(teacher, t_seen, x, compute), None
         else:
             t_out, topk = Outputs(None, None, []), tuple(t[lo:hi] for t in current["topk"])
-        b = Batch(ids, _outputs(net, s_seen, x), t_out, d.temperature, topk)
+        b = Batch(ids, _outputs(net, s_seen, x, trains), t_out, d.temperature, topk)
         parts = {name: LOSSES[name](b) for name in terms}
         share = (hi - lo) / per_rank  # the micro-batch's part of the step's mean: the shares sum to 1
         loss = sum(w * parts[n] for n, w in terms.items())
@@ -188,7 +194,8 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
     stored_eval = None
     if store is not None:
         *stored_eval, teacher_bpb = store.held_out()
-    ev = Evaluator(student, teacher, source.held_out, d.eval_every, metric, users, stored_eval, mtp_weights)
+    ev = Evaluator(student, teacher, source.held_out, d.eval_every, metric, users, stored_eval, mtp_weights,
+                   best=d.best, state_dir=state_dir)
     identity = {**d.options(), "callbacks": list(d.callbacks), "student": program_hash(prog),
                 "teacher": teacher_hash}  # not the process count: the global batch is the same
     identity["teacher_logits"] = bool(d.teacher_logits)  # what it holds is checked by its meta.json, not where
@@ -215,7 +222,8 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
         ev.keep({"step": 0, **before})  # the starting point competes too: distillation must earn its keep
         try:
             with trains.matmul_precision():  # the backward's float32 matmuls too
-                run = fit(student, step_loss, schedule, rng=gen, every=d.checkpoint_every, identity=identity,
+                run = fit(student, step_loss, schedule, rng=gen, every=d.checkpoint_every,
+                          identity=resumable(identity, d),
                           checkpoint=checkpoint, desc="distill", progress=progress if rank == 0 else False,
                           callbacks=[ev],
                           micro=d.accumulate, no_sync=no_sync, zero_unused=shard == "fsdp" and world == 1,
@@ -224,7 +232,7 @@ def distill(prog: Program, teacher_prog: Program, d: Distill, state_dir: Path | 
             s_undo(), t_undo()
         after, kept = ev.measure(), run.step
         if d.keep_best and ev.best is not None and ev.best[metric] < after[metric]:
-            student.load_state_dict(ev.best_weights)
+            ev.restore_best()  # from host memory or the state directory
             after, kept = ev.measure(), ev.best["step"]
         for name, t in full_state(student):  # whole tensors on every process: later passes run on each
             prog.weights.set(name, t.detach().clone().to("cpu", prog.weights.dtype(name)))

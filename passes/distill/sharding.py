@@ -54,12 +54,15 @@ def shard_model(model, mesh) -> None:
 
     Below float32 the student's block groups gather their parameters in the compute dtype and reduce the
     gradients in float32 (`block_policy`); the root group stays float32 (the embedding starts the float32
-    residual stream)."""
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    residual stream). A model whose `offload` is set keeps its shards (and so their gradients and optimizer
+    state) in host memory (FSDP2's CPUOffloadPolicy; pinned where CUDA is)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, register_fsdp_forward_method
 
     has = lambda m: any(True for _ in m.parameters())
     train = any(p.requires_grad for p in model.parameters())
-    policy = block_policy(model.compute) if train else {}
+    offload = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} \
+        if getattr(model, "offload", False) else {}
+    policy = {**(block_policy(model.compute) if train else {}), **offload}
     for n in model.program.blocks():
         m = _loaded(model, n)
         if has(m):
@@ -71,7 +74,7 @@ def shard_model(model, mesh) -> None:
             fully_shard(layer.mixer, mesh=mesh, **policy)
     for n in model.program.nodes:
         _loaded(model, n)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, **offload)
     # routed experts no token chose on some rank get no gradient there: every rank reduce-scatters a zero
     # gradient for them instead, so the collectives match (as DDP's find_unused_parameters)
     model.set_reduce_scatter_unused_params(True)
@@ -104,6 +107,59 @@ def hold_frozen(module: torch.nn.Module, fp32: frozenset[str], dtype: torch.dtyp
             p.data = p.data.to(want)
 
 
+def block_groups(model, node) -> list[torch.nn.Module]:
+    """The modules of `node` that `shard_model` shards as groups of their own: a block, or the MTP head's
+    layers' mixers (nothing for the embedding, final norm, LM head and the head's fusion layers)."""
+    m = model.get_submodule(node.path)
+    if node.op.kind == "mtp":
+        return [layer.mixer for layer in m.layers if hasattr(layer, "mixer")]
+    return [m] if node.op.is_block else []
+
+
+def hold_trained(modules, dtype: torch.dtype) -> None:
+    """params=bf16: every parameter of `modules` (`block_groups`) held in `dtype` (so are their gradients);
+    buffers stay as they are. One dtype per FSDP group, as FSDP2 requires of trained parameters."""
+    for m in modules:
+        for p in m.parameters():
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
+class _FP8(torch.nn.Module):
+    """A frozen weight held as FP8 E4M3 (the parametrization's `original`, its bytes as uint8: gloo gathers
+    no float8 for FSDP) with its float32 scale (per tensor; per expert for stacked experts): each use
+    dequantises it (q * scale) in `dtype`, the product's dtype."""
+
+    def __init__(self, scale: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.register_buffer("scale", scale)
+
+    def forward(self, q):
+        return q.view(torch.float8_e4m3fn).to(self.dtype) * self.scale.to(self.dtype)
+
+
+def hold_fp8(module: torch.nn.Module, fp32: frozenset[str], dtype: torch.dtype) -> None:
+    """teacher_dtype=fp8: the weights of a frozen module's linear layers, convolutions and routed experts
+    (as `hold_frozen`, the same exceptions) held in FP8 E4M3 with per-tensor scales (the project's FP8 weight
+    format, ir.quant.formats), dequantised to `dtype` at each use: a byte per weight instead of two."""
+    from torch.nn.utils import parametrize
+
+    from ...ir.quant.formats import quantize_fp8
+
+    for name, m in list(module.named_modules()):
+        if not isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, RoutedExperts)):
+            continue
+        for attr, p in list(m._parameters.items()):
+            if p is None or attr == "bias" or (f"{name}.{attr}" if name else attr) in fp32:
+                continue
+            q = quantize_fp8(p.detach().float(), axis=0 if isinstance(m, RoutedExperts) else None,
+                             name=f"{name}.{attr}")
+            parametrize.register_parametrization(m, attr, _FP8(q.scale.to(p.device), dtype), unsafe=True)
+            # (a parametrization may not change the dtype when registered: the FP8 tensor replaces it after)
+            m.parametrizations[attr].original = torch.nn.Parameter(q.data.view(torch.uint8), requires_grad=False)
+
+
 def fp32_names(prog: Program) -> frozenset[str]:
     """The ops' float32 parameters (`OpSpec.fp32_params`) by their names in the whole model."""
     return frozenset(f"{n.path}.{local}" for n in prog.nodes for local in n.op.fp32_params())
@@ -121,6 +177,10 @@ def _loaded(model, node):
         m.float().requires_grad_(train)
         if not train and model.compute.dtype != torch.float32:
             hold_frozen(m, node.op.fp32_params(), model.compute.dtype)
+        if train and getattr(model, "params", torch.float32) != torch.float32:
+            hold_trained(block_groups(model, node), model.params)
+        if not train and getattr(model, "fp8", False):
+            hold_fp8(m, node.op.fp32_params(), model.compute.dtype)
     return m
 
 
@@ -135,11 +195,21 @@ def _fsdp_available() -> None:
                         f"without tokens) and torch {torch.__version__} lacks it; use shard=ddp or a newer torch")
 
 
-def _build(prog: Program, compute: Compute, mesh, train: bool, checkpointing: bool):
-    """The student (`train`: its own float32 copies of the weights) or the teacher (frozen; below float32
-    its matmul weights held in the compute dtype), sharded over `mesh` when there is one."""
+def _build(prog: Program, compute: Compute, mesh, train: bool, checkpointing: bool, params: str = "fp32",
+           offload: bool = False, teacher_dtype: str = "auto"):
+    """The student (`train`: its own float32 copies of the weights; `params` bf16: its blocks' in bfloat16,
+    see hold_trained) or the teacher (frozen; below float32 its matmul weights held in the compute dtype;
+    `teacher_dtype` fp8: in FP8, see hold_fp8), sharded over `mesh` when there is one (`offload`: the
+    shards in host memory)."""
     from ...backends.torch import materialize
 
+    held = {"fp32": torch.float32, "bf16": torch.bfloat16}[params] if train else torch.float32
+    if held != torch.float32 and compute.dtype != held:
+        name = lambda t: str(t).removeprefix("torch.")
+        raise PassError(f"distill: params={params} holds the blocks' weights in {name(held)}, which a "
+                        f"{name(compute.dtype)} forward cannot use; run with --dtype bfloat16 (the default on CUDA) "
+                        "or params=fp32")
+    fp8 = not train and teacher_dtype == "fp8"
     if mesh is None and not train and compute.dtype != torch.float32:
         m = materialize(prog, compute=compute)  # in the store's dtype, then each weight cast once
         hold_frozen(m, fp32_names(prog), compute.dtype)
@@ -148,11 +218,14 @@ def _build(prog: Program, compute: Compute, mesh, train: bool, checkpointing: bo
         if train:
             for param in m.parameters():  # the store's tensors are shared with the teacher and snapshots:
                 param.data = param.data.clone()  # training must update copies
+            hold_trained([g for n in prog.nodes for g in block_groups(m, n)], held)
     else:  # on meta: shard_model reads one block at a time, shards it and moves the shards to the device
         from ...backends.torch import ProgramModule
 
         m = ProgramModule(prog, device="meta")
-        m.compute = compute
+        m.compute, m.params, m.offload, m.fp8 = compute, held, offload, fp8
+    if mesh is None and fp8:
+        hold_fp8(m, fp32_names(prog), compute.dtype)
     m.requires_grad_(train)
     if train and checkpointing:
         checkpoint_blocks(m)
@@ -165,4 +238,18 @@ def full_state(model) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, the whole tensor) for the model's state dict, one tensor gathered at a time (sharded ones on
     every process: a collective, so every process must iterate)."""
     for name, t in model.state_dict().items():
-        yield from split_experts({name: t.full_tensor() if hasattr(t, "full_tensor") else t}).items()
+        yield from split_experts({name: _on_mesh(t).full_tensor() if hasattr(t, "full_tensor") else t}).items()
+
+
+def _on_mesh(t):
+    """A DTensor whose shard is in host memory (offload) with its shard on the mesh's device, which the
+    collectives use."""
+    local = t.to_local()
+    kind = t.device_mesh.device_type
+    if local.device.type == kind:
+        return t
+    from torch.distributed.tensor import DTensor
+
+    device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+    return DTensor.from_local(local.to(device), t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())

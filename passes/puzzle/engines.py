@@ -11,8 +11,9 @@ must then agree across layers (docs/engines.md has the code each rule was read f
   attention heads and MLP widths agree across layers, and its trtllm-gen MoE routing kernel (the `TRTLLM`
   backend; CUTLASS, the default, falls back) takes top-k <= 8 below 385 experts: the profile assumes that
   backend, so its children load with every one; both build the MTP head's attention (KV) from the top level,
-  so their profiles keep the trunk's attention to the head's (`all` lets the search prune attention and then
-  prunes the head's alike, `mtp-match-attention`, which compress runs before the head's recovery);
+  so under one rule (`tensorrt-llm`, `sglang` and `all` alike) the search prunes the trunk's attention only to a
+  shape `mtp-match-attention` can take the head's to, and that pass, which compress runs before the head's
+  recovery, prunes the head's alike;
 - all three split heads and widths over the tensor-parallel devices and assert that they divide
   (`split_refusal`; TensorRT-LLM's Mamba groups by tp, never replicated): a search over a multi-GPU target keeps
   to the layouts the parent splits over and to the choices that split over the layout chosen;
@@ -68,7 +69,6 @@ class EngineProfile:
     blocks: tuple[str, ...] | None = None  # block kinds admitted; None: any
     mtp: tuple[str, ...] | None = None  # the MTP head's block kinds; None: any
     rules: tuple[Rule, ...] = ()  # kernel-shape rules on each layer's choice
-    mtp_from_top: bool = False  # the MTP head's layers are built from the top level, like the uniform kinds
     head_from_top: bool = False  # some engine builds the head's attention from the top level: mtp-match-attention
 
     def uniform_groups(self, kinds) -> tuple[str, ...]:
@@ -77,16 +77,12 @@ class EngineProfile:
 
     def refusal(self, spec, parent, recipes: str = "", head=None) -> str:
         """Why a layer may not take `spec` in place of `parent` (empty: it may). `head`: the model's MTP head,
-        whose layers an engine reading a kind from the top level builds from the same fields as the trunk's."""
+        whose attention an engine reading attention from the top level builds from the trunk's fields: one rule
+        for every such profile, that mtp-match-attention can take the head's attention to the trunk's."""
         if self.blocks is not None and spec.kind not in self.blocks:
             return f"a {spec.kind} block (the engines load {', '.join(self.blocks)} blocks)"
         if spec.kind == "attention" and (why := self.head_cannot_follow(spec, head)):
             return why
-        for kind, attrs in self.uniform if head is not None and self.mtp_from_top else ():
-            block = next((b for b in head.blocks if b.kind == kind == spec.kind), None)
-            if block is not None and any(getattr(spec, a) != getattr(block, a) for a in attrs):
-                return (f"{kind} {'/'.join(attrs)} other than the MTP head's ({', '.join(self.engines)} build the head's "
-                        f"{kind} layer from the same top-level fields as every other)")
         return next((why for rule in self.rules if spec.kind == parent.kind and (why := rule(spec, parent, recipes))),
                     "")
 
@@ -172,8 +168,7 @@ PROFILES = {
     "sglang": EngineProfile("sglang", ("SGLang",), uniform=(MAMBA, MLP, KV_POOL), rules=(_nvfp4_latent, _nvfp4_width),
                             head_from_top=True, **_PUBLISHED),
     "tensorrt-llm": EngineProfile("tensorrt-llm", ("TensorRT-LLM",), uniform=(MAMBA, ATTENTION, MLP),
-                                  rules=(_nvfp4_latent, _nvfp4_width, _routing_top_k), mtp_from_top=True,
-                                  head_from_top=True,
+                                  rules=(_nvfp4_latent, _nvfp4_width, _routing_top_k), head_from_top=True,
                                   **_PUBLISHED),
 }
 PROFILES["all"] = _every("all", list(PROFILES.values()))

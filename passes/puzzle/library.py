@@ -8,8 +8,9 @@ A library is a directory built once per parent model and reused for every target
     variants/L{layer:03d}/{id}.safetensors   a variant's (BLD-trained) block weights, local names
     variants/L{layer:03d}/{id}.json          its row: spec, sizes, init, BLD and scores (written atomically)
 
-Rows are written per variant as they finish, so a killed build resumes where it stopped; the manifest is
-assembled from them. A library belongs to one parent: opening it with another model is refused.
+A variant's weights and its row so far (`{id}.bld.json`) are written once it is trained, its row once it is
+scored, so a killed build resumes where it stopped, per variant; the manifest is assembled from the rows. A
+library belongs to one parent: opening it with another model is refused.
 """
 from __future__ import annotations
 
@@ -164,8 +165,12 @@ def check_format(record, lib: Path) -> None:
     raise LibraryError(f"{lib / MANIFEST} is not a {FORMAT} manifest")
 
 
-def save_variant(lib: Path, layer: int, vid: str, weights: dict, row: dict) -> None:
-    """The variant's weights, then its row (the row marks it done)."""
+#: a trained variant's row before its scores: it marks the variant's weights as written
+TRAINED = ".bld.json"
+
+
+def save_trained(lib: Path, layer: int, vid: str, weights: dict, row: dict) -> None:
+    """A trained variant's weights, then its row so far (which marks them complete)."""
     d = layer_dir(lib, layer)
     d.mkdir(parents=True, exist_ok=True)
     if weights:
@@ -173,7 +178,26 @@ def save_variant(lib: Path, layer: int, vid: str, weights: dict, row: dict) -> N
         tmp = d / f".{f.name}.tmp"
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
         os.replace(tmp, f)
+    write_json(d / f"{safe_id(vid)}{TRAINED}", row)
+
+
+def load_trained(lib: Path, layer: int, vid: str) -> tuple[dict, dict] | None:
+    """(row so far, weights) of a variant trained but not yet scored, or None."""
+    d = layer_dir(lib, layer)
+    f = d / f"{safe_id(vid)}{TRAINED}"
+    if not f.exists():
+        return None
+    row, weights = json.loads(f.read_text()), d / f"{safe_id(vid)}.safetensors"
+    if row["params"] and not weights.exists():
+        return None  # trained again
+    return row, load_file(str(weights)) if row["params"] else {}
+
+
+def save_row(lib: Path, layer: int, vid: str, row: dict) -> None:
+    """The scored variant's row (it marks the variant done), and its trained record gone."""
+    d = layer_dir(lib, layer)
     write_json(d / f"{safe_id(vid)}.json", row)
+    (d / f"{safe_id(vid)}{TRAINED}").unlink(missing_ok=True)
 
 
 def load_row(lib: Path, layer: int, vid: str) -> dict | None:

@@ -15,7 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from ...evaluation import agrees, check_finite, kl, nll
+from ...backends.torch import head_matrix
+from ...evaluation import check_finite, vocab
+from ...evaluation.vocab import Hidden
 
 
 class Scorer:
@@ -35,37 +37,47 @@ class Scorer:
         with self.stream.compute.autocast():  # the model's precision; the scores in float32
             return block(x)[0]
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _final(self, x: torch.Tensor) -> Hidden:
+        """The final hidden states of `x` (the trunk's output) as flattened rows, with the LM head's matrix: the
+        logits are built a chunk of tokens at a time (evaluation.vocab)."""
         norm, head = (self.stream.module(n) for n in self.tail)
         with self.stream.compute.autocast():
-            return head(norm(x)).float()
+            h = norm(x)
+        return Hidden(h, head_matrix(head), self.stream.compute.autocast).rows()
+
+    @torch.no_grad()
+    def block_outputs(self, layer: int, block, x: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """`block`'s output in place of layer `layer`, per batch of windows (`x`: the layer's input, read when not
+        given): what `score_layer` takes in place of a block that is no longer held."""
+        x = self.inputs(layer) if x is None else x
+        return [self._run(block, x[s]) for s in self._slices()]
 
     @torch.no_grad()
     def score_layer(self, layer: int, blocks: list) -> list[dict]:
         """KL, LM loss and top-1 agreement of the parent with each of `blocks` in place of layer `layer` (`None`:
-        the layer as the model holds it)."""
+        the layer as the model holds it; a list: a block's `block_outputs`)."""
         final = self.inputs(len(self.nodes))
         run, ys = [b for b in blocks if b is not None], []
         if run:
-            x = self.inputs(layer)
-            ys = [[self._run(b, x[s]) for s in self._slices()] for b in run]
+            x = self.inputs(layer) if any(not isinstance(b, list) for b in run) else None
+            ys = [list(b) if isinstance(b, list) else self.block_outputs(layer, b, x) for b in run]
             for node in self.nodes[layer + 1:]:
                 m = self.stream.module(node)
                 ys = [[self._run(m, y) for y in row] for row in ys]
         sums = [[0.0, 0.0, 0.0] for _ in blocks]
         for k, s in enumerate(self._slices()):
-            p = self._logits(final[s])
-            top = p.argmax(-1)
+            p, targets = self._final(final[s]), self.targets[s].reshape(-1)
             ran = (row[k] for row in ys)
             for b, acc in zip(blocks, sums):
                 if b is None:
-                    acc[1] += nll(p, self.targets[s]).sum().item()
-                    acc[2] += self.targets[s].numel()
+                    acc[1] += vocab.nll_sum(p, targets).item()
+                    acc[2] += targets.numel()
                     continue
-                q = check_finite(self._logits(next(ran)), f"logits with layer {layer} replaced")
-                acc[0] += kl(p, q).sum().item()
-                acc[1] += nll(q, self.targets[s]).sum().item()
-                acc[2] += agrees(top, q).sum().item()
+                q = self._final(check_finite(next(ran), f"hidden states with layer {layer} replaced"))
+                got = vocab.scores(p, q, targets)
+                acc[0] += check_finite(got["kl"], f"KL with layer {layer} replaced").sum().item()
+                acc[1] += got["nll"].sum().item()
+                acc[2] += got["agree"].sum().item()
         count = self.targets.numel()
         return [{"kl": d / count, "lm_loss": lm / count, "top1": agree / count} for d, lm, agree in sums]
 

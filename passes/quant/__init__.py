@@ -68,8 +68,10 @@ class Quantize(ComputePass):
         act_modules = [f"{path}.{local.rsplit('.', 1)[0]}" for path, params in plan.items()
                        for local, fmt in params.items() if FORMATS[fmt][1]]
         calib = ActivationAmax(act_modules) if act_modules else None
-        # one run of the original: its activations calibrated, its logits kept for the report
-        original = teacher.record(windows, 4, prog.outputs[:1], attach=calib.attach if calib else None)
+        # one run of the original: its activations calibrated, its final hidden states kept for the report (the
+        # logits are built from them a chunk of tokens at a time; the recipes never quantise the LM head)
+        original = teacher.record(windows, 4, prog.outputs[:1], attach=calib.attach if calib else None,
+                                  project=False)
         teacher.release()  # the original is not run again: its kept layers give their room to the new weights
         amax = calib.amax if calib else {}
         for path, params in progress(plan.items(), am, "quantize", total=len(plan)):  # a bar, or lines in a log

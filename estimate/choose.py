@@ -1,0 +1,74 @@
+"""`auto`: the cheapest settings under which a stage fits the hardware it runs on, chosen from the estimate.
+
+Each distillation not given the option explicitly climbs a ladder of rungs, cheapest first, until its stage fits;
+each rung keeps the ones below it. Time-only savings come before those that cost quality (measured in
+docs/benchmarks.md), and host offload, the slowest, last but one:
+
+  shard=fsdp (more than one process) -> checkpointing=true -> one row per micro-batch (accumulate) ->
+  params=bf16 with optimizer=adamw-bf16 (a bfloat16 forward only) -> teacher_dtype=fp8 -> offload=true (fsdp) ->
+  best=disk (a state directory)
+
+A stage that fits as given is left alone; one that fits on no rung keeps every rung, and the refusal names what
+else would help. An option the pipeline sets (`Pass.given`) is never changed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+#: the rungs: (name, the options it sets, whether it applies to a pass on this hardware)
+RUNGS = (
+    ("fsdp", lambda p, hw: {"shard": "fsdp"}, lambda p, hw: hw.processes > 1 and p.shard == "auto"),
+    ("checkpointing", lambda p, hw: {"checkpointing": True}, lambda p, hw: True),
+    ("one row per micro-batch", lambda p, hw: {"accumulate": max(1, math.ceil(p.batch / hw.processes))},
+     lambda p, hw: True),
+    ("bf16 state", lambda p, hw: {"params": "bf16", "optimizer": "adamw-bf16"},
+     lambda p, hw: (hw.kind == "gpu" and p.dtype in ("", "auto", "bfloat16")) or p.dtype == "bfloat16"),
+    ("fp8 teacher", lambda p, hw: {"teacher_dtype": "fp8"}, lambda p, hw: not p.teacher_logits),
+    ("offload", lambda p, hw: {"offload": True}, lambda p, hw: p.shard == "fsdp"),
+    ("best on disk", lambda p, hw: {"best": "disk"}, lambda p, hw: p.keep_best and bool(p.state)),
+)
+#: the passes a ladder applies to
+CHOSEN = ("distill",)
+
+
+def given(p) -> frozenset:
+    """The options a pipeline's text set on pass `p` (none for a pass built in code)."""
+    return getattr(p, "given", frozenset())
+
+
+def climb(p, fits, hw):
+    """(the pass with the first rungs under which `fits(pass)` holds, {option: value} they set). Options in
+    `given(p)` are kept; a rung whose every option is given is skipped."""
+    if fits(p):
+        return p, {}
+    chosen = {}
+    for _, options, applies in RUNGS:
+        if not applies(p, hw):
+            continue
+        new = {k: v for k, v in options(p, hw).items() if k not in given(p) and getattr(p, k) != v}
+        if not new:
+            continue
+        p = _with(p, new)
+        chosen |= new
+        if fits(p):
+            break
+    return p, chosen
+
+
+def _with(p, options: dict):
+    q = dataclasses.replace(p, **options)
+    for attr in ("given", "body"):
+        if hasattr(p, attr):
+            setattr(q, attr, getattr(p, attr))
+    return q
+
+
+def describe(chosen: list[tuple[str, dict]]) -> str:
+    """One line: what auto chose for which stage ("" when nothing)."""
+    parts = [f"{name}: " + ", ".join(f"{k}={_text(v)}" for k, v in opts.items()) for name, opts in chosen if opts]
+    return ("auto chose " + "; ".join(parts) + " (to fit; an option set in the pipeline wins)") if parts else ""
+
+
+def _text(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
