@@ -8,7 +8,7 @@ Every run uses the bfloat16 forward (the default on CUDA; params=bf16 needs it) 
 process (its peak RSS is its own). Prints per run: the held-out KL to the float32 teacher on the `report` set
 (which no run selects on), the seconds the training took, the state's bytes per parameter (training.state_bytes,
 and measured on this model: its small tensors keep whole 8-bit moments), the host MB of the kept best weights,
-and the process's peak RSS (at this size mostly torch itself); then each mode's mean over the seeds.
+and the process's peak RSS (MiB) (at this size mostly torch itself); then each mode's mean over the seeds.
 """
 from __future__ import annotations
 
@@ -110,6 +110,32 @@ def _measured_state(prog, params: str, optimizer: str) -> int:
     return moments + sum(2 * nbytes(p) for p in model.parameters())
 
 
+def teacher_kl() -> dict:
+    """KL of the FP8 teacher (teacher_dtype=fp8) from the bfloat16 teacher (the default on CUDA) and from the
+    float32 one, on the `report` windows, and the bytes each holds."""
+    import torch
+
+    from puzzlekit import ir
+    from puzzlekit.backends.torch.device import Compute
+    from puzzlekit.evaluation import metrics
+    from puzzlekit.passes.distill.sharding import _build
+    from puzzlekit.text.data import corpus_for, held_out_windows
+    from puzzlekit.tools.default_model import model_path
+
+    parent = ir.load(model_path(None))
+    x = held_out_windows(corpus_for(parent, None), "report", 129, limit=32)[:, :-1]
+    out, size = {}, {}
+    for name, compute, dtype in (("fp32", Compute(), "auto"), ("bf16", Compute(dtype=torch.bfloat16), "auto"),
+                                 ("fp8", Compute(dtype=torch.bfloat16), "fp8")):
+        model = _build(parent, compute, None, train=False, checkpointing=False, teacher_dtype=dtype)
+        with torch.no_grad():
+            out[name] = model(x)[0].float()
+        size[name] = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"fp8_vs_bf16": metrics.kl(out["bf16"], out["fp8"]).mean().item(),
+            "fp8_vs_fp32": metrics.kl(out["fp32"], out["fp8"]).mean().item(),
+            "bf16_vs_fp32": metrics.kl(out["fp32"], out["bf16"]).mean().item(), "bytes": size}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=150)
@@ -147,25 +173,31 @@ def main():
         rows = done + list(pool.map(child, [r for r in runs if (*r, args.steps) not in have]))
     rows = [r for r in rows if r["steps"] == args.steps]
     rows.sort(key=lambda r: (names.index(r["mode"]), r["seed"]))
-    base = [r["kl"] for r in rows if r["mode"] == names[0]]
-    base = sum(base) / len(base) if base else float("nan")
+    paired = {r["seed"]: r["kl"] for r in rows if r["mode"] == names[0]}  # the baseline of each seed
+    base = sum(paired.values()) / len(paired) if paired else float("nan")
     print(f"pruned child of the built-in model ({CHILD}), {args.steps} steps of 8 x 128 tokens, lr 1e-3, bfloat16 "
           f"forward; held-out KL to the float32 teacher on `report` (the pruned child's: {rows[0]['pruned']:.4f})")
-    print("| mode | seed | held-out KL | vs baseline (mean) | training s | bytes/param: state_bytes | measured here | "
-          "host MB | peak RSS MB |")
+    print("| mode | seed | held-out KL | vs baseline (same seed) | training s | bytes/param: state_bytes | "
+          "measured here | host MiB | peak RSS MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['seed']} | {r['kl']:.4f} | {r['kl'] / base - 1:+.1%} | {r['seconds']:.0f} | "
+        print(f"| {r['mode']} | {r['seed']} | {r['kl']:.4f} | {r['kl'] / paired.get(r['seed'], base) - 1:+.1%} | "
+              f"{r['seconds']:.0f} | "
               f"{r['bytes_per_param']:.2f} | {r['measured_bytes_per_param']:.2f} | {r['host_mb']:.1f} | "
               f"{r['peak_rss_mb']:.0f} |")
-    print("\n| mode | seeds | held-out KL, mean ± sd | vs baseline |")
+    t = teacher_kl()
+    print(f"\nthe teacher on `report`: KL(bf16 || FP8) {t['fp8_vs_bf16']:.5f}, KL(fp32 || FP8) {t['fp8_vs_fp32']:.5f}, "
+          f"KL(fp32 || bf16) {t['bf16_vs_fp32']:.5f}; bytes fp32 / bf16 / FP8: "
+          + " / ".join(f"{v / 2 ** 20:.2f} MiB" for v in t["bytes"].values()))
+    print("\n| mode | seeds | held-out KL, mean ± sd | vs baseline, paired by seed |")
     print("|---|---|---|---|")
     for name in names:
-        kls = [r["kl"] for r in rows if r["mode"] == name]
-        if kls:
-            mean = sum(kls) / len(kls)
-            sd = (sum((k - mean) ** 2 for k in kls) / max(1, len(kls) - 1)) ** 0.5
-            print(f"| {name} | {len(kls)} | {mean:.4f} ± {sd:.4f} | {mean / base - 1:+.1%} |")
+        kls = {r["seed"]: r["kl"] for r in rows if r["mode"] == name}
+        if len(kls) > 1:
+            mean = sum(kls.values()) / len(kls)
+            sd = (sum((k - mean) ** 2 for k in kls.values()) / (len(kls) - 1)) ** 0.5
+            rel = [k / paired[s] - 1 for s, k in kls.items() if s in paired]
+            print(f"| {name} | {len(kls)} | {mean:.4f} ± {sd:.4f} | {sum(rel) / max(1, len(rel)):+.1%} |")
 
 
 if __name__ == "__main__":

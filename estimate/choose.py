@@ -64,6 +64,39 @@ def _with(p, options: dict):
     return q
 
 
+def keyed(passes: list, chosen: list[tuple[object, dict]]) -> list[tuple[str, int, dict]]:
+    """`chosen` ((pass, options) of `passes`) as (pass name, its occurrence among passes of that name, options):
+    what another parse of the same pipeline takes them by (`apply`)."""
+    seen = _occurrences(passes)
+    return [(p.pass_name, seen[id(p)], opts) for p, opts in chosen]
+
+
+def apply(passes: list, keyed_choices: list[tuple[str, int, dict]]) -> None:
+    """Sets `keyed` choices on the passes of another parse of the same pipeline."""
+    occurrence = _occurrences(passes)
+    by_key = {(getattr(p, "pass_name", ""), occurrence[id(p)]): p for p in _flat(passes)}
+    for name, k, opts in keyed_choices:
+        for option, value in opts.items():
+            setattr(by_key[(name, k)], option, value)
+
+
+def _flat(passes: list) -> list:
+    out = []
+    for p in passes:
+        out.append(p)
+        out += _flat(getattr(p, "body", None) or [])
+    return out
+
+
+def _occurrences(passes: list) -> dict:
+    count, out = {}, {}
+    for p in _flat(passes):
+        name = getattr(p, "pass_name", "")
+        out[id(p)] = count.get(name, 0)
+        count[name] = out[id(p)] + 1
+    return out
+
+
 def describe(chosen: list[tuple[str, dict]]) -> str:
     """One line: what auto chose for which stage ("" when nothing)."""
     parts = [f"{name}: " + ", ".join(f"{k}={_text(v)}" for k, v in opts.items()) for name, opts in chosen if opts]

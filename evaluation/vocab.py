@@ -97,7 +97,7 @@ def hidden_of(model, states, weight: torch.Tensor | None, who: str = "") -> tupl
     """(final, MTP head's or None) `Hidden` of a model's unprojected outputs (`weight` None: its logits), refused
     when not finite."""
     head = projection(model) if weight is not None else None
-    for name, h in zip(("hidden states", "MTP hidden states"), states):
+    for name, h in zip(("logits", "MTP logits"), states):  # (checked where they come from: the hidden states)
         check_finite(h, f"{name}{who}", model)
     out = [Hidden(h, weight, model.compute.autocast, head) for h in states]
     return out[0], out[1] if len(out) > 1 else None

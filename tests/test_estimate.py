@@ -212,3 +212,24 @@ def test_a_distillations_measured_peak_is_within_a_quarter_of_its_estimate(tmp_p
     code, peak = map(int, ran.stdout.split()[-2:])
     assert code == 0, ran.stderr[-2000:]
     assert 1.2e9 < estimate and peak == pytest.approx(estimate, rel=0.25)
+
+
+def test_auto_choices_carry_to_another_parse_of_the_pipeline():
+    """compress checks one parse of its pipeline and runs another: what auto chose on the first is set on the
+    second, pass by pass (a repeat's body included), and nothing else changes."""
+    from puzzlekit import ir
+    from puzzlekit.estimate import estimate, parse_hardware
+    from puzzlekit.estimate.choose import apply, keyed
+    from puzzlekit.passes import parse_pipeline, print_pipeline
+    from puzzlekit.tools.default_model import model_path
+
+    text = "snapshot{name=teacher},repeat{n=2}(set-topk{k=1},distill{steps=3}),distill{head_only=true}"
+    prog, hw = ir.load(model_path(SUPER)), parse_hardware("b200:8")
+    checked, run = parse_pipeline(text), parse_pipeline(text)
+    est = estimate(checked, prog, hw, 2**62, rates=Untimed(hw), auto=True)
+    assert len(est.chosen) == 2  # both distillations needed something
+    for p, opts in est.chosen:
+        for k, v in opts.items():
+            setattr(p, k, v)
+    apply(run, keyed(checked, est.chosen))
+    assert print_pipeline(run) == print_pipeline(checked) != text

@@ -38,7 +38,7 @@ def _files(lib: Path) -> dict:
 
 # -- loading a MoE layer ----------------------------------------------------------------------------------------
 LOAD = """
-import resource, sys, torch
+import sys, torch
 from puzzlekit.backends.torch import load_into
 from puzzlekit.ir.ops import MoE
 from puzzlekit.ir.weights import WeightStore, lazy_tensors
@@ -47,9 +47,12 @@ store = WeightStore()
 store.update(lazy_tensors(__import__("pathlib").Path(sys.argv[1])))
 with torch.device("meta"):
     block = op.build()
-before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+def status(field):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field))
+open("/proc/self/clear_refs", "w").write("5")  # the peak so far (imports' included) reset to what is held now
+before = status("VmRSS:")
 load_into(block, store, "cpu", [])
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = status("VmHWM:")
 experts = block.mixer.experts
 print(peak - before, sum(t.numel() * t.element_size() for t in experts.parameters()),
         float(experts.up_proj.detach()[511, 3, 7]), float(experts.down_proj.detach()[300, 9, 2]))

@@ -157,17 +157,18 @@ def compress(args, progress: bool = True) -> dict:
         set_tokenizer(parent, args.tokenizer)
         tokenizer_of(parent)
     get_engine(args.engine).check_parent(parent)  # a head no child of which the engines serve: before the library
-    if _check_before_run(args, parent, out):
+    auto: list = []  # the settings auto chooses to fit, applied to the run's passes
+    if _check_before_run(args, parent, out, auto):
         return {}
     corpus = _text(args, parent)
     library = Path(args.library) if args.library else out / "library"
     _check_held_out(args, out, library, corpus, parent)
     args.scenario = _workload(args, out)
     with _pinned_cost_table(args, out):
-        return _run(args, out, parent, library, progress)
+        return _run(args, out, parent, library, progress, auto)
 
 
-def _check_before_run(args, parent, out: Path) -> bool:
+def _check_before_run(args, parent, out: Path, auto: list) -> bool:
     """The estimate of every stage from the parent's config and the options (tools/estimate.py): printed with
     --estimate (True: nothing more to do), otherwise a stage that cannot fit refuses the run before any work."""
     from ..errors import read_text
@@ -183,7 +184,7 @@ def _check_before_run(args, parent, out: Path) -> bool:
     passes = head_work(parse_pipeline(resolve_pipeline(text)), parent)
     if args.library:  # an existing library: no library stage to run
         passes = [p for p in passes if getattr(p, "pass_name", "") != "library"]
-    return check_before_run(args, passes, parent, announce=True, plan=True,
+    return check_before_run(args, passes, parent, announce=True, plan=True, chosen=auto,
                             left_out="the outputs after the child is written (ONNX graphs, the engine bundle, "
                                      "the report's evaluations)")
 
@@ -249,17 +250,19 @@ def _workload(args, out: Path) -> str:
     return str(out / "scenario.toml")
 
 
-def _run(args, out: Path, parent, library: Path, progress: bool) -> dict:
+def _run(args, out: Path, parent, library: Path, progress: bool, auto: list) -> dict:
     from ..backends.cost import CostModel, get_scenario
     from ..backends.torch.device import use_threads
     from ..errors import read_text
     from ..passes import Instrumentation, PassManager, parse_pipeline, print_pipeline, resolve_pipeline
     from ..passes.pipeline import PIPELINES_DIR
+    from ..estimate.choose import apply as apply_choices
     from ..passes.stages import StageCheckpoints
 
     template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
     text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
     passes = head_work(parse_pipeline(resolve_pipeline(text)), parent)
+    apply_choices(passes, auto)  # what the check before the run chose to fit
     src = Path(parent.meta["source"])
     use_threads(parent.param_counts()["total"], args.threads)
     CostModel(parent, args.target, get_scenario(args.scenario)).check_priceable(args.context)
@@ -273,7 +276,8 @@ def _run(args, out: Path, parent, library: Path, progress: bool) -> dict:
     summary = {"pipeline": print_pipeline(passes), "resumed_at_pass": stages.resume_at, "passes": stages.count,
                "reports": am.reports, "seconds": clock, "model": str(src), "target": args.target,
                "scenario": args.scenario, "parent_params": parent.param_counts()["total"],
-               "mtp_head": bool(parent.find("mtp"))}
+               "mtp_head": bool(parent.find("mtp")),
+               "auto": [{"pass": name, "occurrence": k, "options": opts} for name, k, opts in auto]}
     if checks := am.reports.get("mtp-check"):  # what `cost --mtp` prices the child with
         prog.meta.setdefault("provenance", {})["mtp_acceptance"] = {"length": checks[-1]["acceptance"],
                                                                     "drafts": checks[-1]["drafts"]}

@@ -28,12 +28,12 @@ def library_passes(args) -> list:
 
 
 def check_before_run(args, passes: list, prog, writes: bool = True, announce: bool = False,
-                     left_out: str = "", plan: bool = False) -> bool:
+                     left_out: str = "", plan: bool = False, chosen: list | None = None) -> bool:
     """Sets on `passes` the settings `auto` chooses to fit (estimate.choose), printed with the estimate. With
     `--estimate`: prints the estimate (or its JSON) and returns True (the command stops). Otherwise refuses
     (exit 2) a run one of whose stages would not fit the memory it has, and returns False; `announce` (a long run:
     compress, library) prints the whole estimate on stderr first, once. `plan`: the stages after the search at the
-    child a weightless search picks (compress)."""
+    child a weightless search picks (compress). `chosen` gets auto's choices keyed for `estimate.choose.apply`."""
     from ..estimate import estimate, parse_hardware
     from ..memory import budget
     from .common import emit
@@ -47,11 +47,19 @@ def check_before_run(args, passes: list, prog, writes: bool = True, announce: bo
         from ..backends.torch.device import use_threads
 
         use_threads(prog.param_counts()["total"], getattr(args, "threads", 0))
-    est = estimate(passes, prog, hw, host, model, rates=None if timed else Untimed(hw), writes=writes,
-                   left_out=left_out, plan=plan, auto=True)
+    run = lambda planned: estimate(passes, prog, hw, host, model, rates=None if timed else Untimed(hw),
+                                   writes=writes, left_out=left_out, plan=planned, auto=True)
+    # the child is planned (a weightless search: seconds) for --estimate, and for a run that does not fit as it is
+    est = run(plan and getattr(args, "estimate", False))
+    if plan and not getattr(args, "estimate", False) and (est.chosen or not est.fits):
+        est = run(True)
     for p, options in est.chosen:  # the passes this command runs take what auto chose
         for k, v in options.items():
             setattr(p, k, v)
+    if chosen is not None:  # and a later parse of the same pipeline (estimate.choose.apply)
+        from ..estimate.choose import keyed
+
+        chosen += keyed(passes, est.chosen)
     if getattr(args, "estimate", False):
         emit(args, est.as_json(), est.format())
         return True
