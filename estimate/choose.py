@@ -38,18 +38,24 @@ def given(p) -> frozenset:
 
 
 def climb(p, fits, hw):
-    """(the pass with the first rungs under which `fits(pass)` holds, {option: value} they set). Options in
-    `given(p)` are kept; a rung whose every option is given is skipped."""
+    """(the pass with the first rungs under which `fits(pass)` holds, {option: value} they set). A rung that would
+    change an option in `given(p)` is skipped whole (its options go together), as is one the pass refuses."""
+    from ..passes.core import PassError
+
     if fits(p):
         return p, {}
     chosen = {}
     for _, options, applies in RUNGS:
-        if not applies(p, hw):
+        opts = options(p, hw) if applies(p, hw) else {}
+        if any(k in given(p) for k in opts):
             continue
-        new = {k: v for k, v in options(p, hw).items() if k not in given(p) and getattr(p, k) != v}
+        new = {k: v for k, v in opts.items() if getattr(p, k) != v}
         if not new:
             continue
-        p = _with(p, new)
+        try:
+            p = _with(p, new)
+        except PassError:  # a combination the pass cannot run (e.g. with an option of its own)
+            continue
         chosen |= new
         if fits(p):
             break

@@ -115,6 +115,8 @@ def test_auto_fits_a_stage_without_changing_what_the_pipeline_set():
     assert all("shard" not in o and "checkpointing" not in o for _, o in pinned.chosen)
     free = run("distill")
     assert free.fits and free.chosen[0][1]["shard"] == "fsdp"
+    # a rung's options go together: bf16 parameters are not chosen beside an optimizer the text sets
+    assert "params" not in run("distill{optimizer=adamw-cosine,teacher_dtype=auto}").chosen[0][1]
     small = ir.load(model_path(None))
     assert estimate(parse_pipeline("distill"), small, parse_hardware("b200:8"), 2**62, rates=Untimed(hw),
                     auto=True).chosen == []
