@@ -240,12 +240,12 @@ def distill(ctx: Context, p) -> Stage:
     trainable = ctx.mtp().param_count() if p.head_only and ctx.mtp() else n
     # the trained parameters with their gradients and moments (training.state_bytes); a registered optimizer of
     # its own is counted as AdamW
-    state = state_bytes(p.params, p.optimizer if p.optimizer in MOMENT_BYTES or p.optimizer == "adamw-cosine"
-                        else "adamw", p.offload and fsdp, p.best, share)
+    algorithm = p.optimizer if p.optimizer in (*MOMENT_BYTES, "adamw-cosine") else "adamw"
+    state = state_bytes(p.params, algorithm, p.offload and fsdp, "disk", share)  # its host part: offloaded state
     frozen = PARAM_BYTES[p.params] * (n - trainable) / share
     student = frozen + state["device"] * trainable
     kept_best = PARAM_BYTES[p.params] * trainable / share if p.keep_best and p.best == "host" else 0.0
-    offloaded = (state["host"] * trainable - kept_best) if p.keep_best else state["host"] * trainable
+    offloaded = state["host"] * trainable
     teacher_bytes = 1 if p.teacher_dtype == "fp8" else 2 if ctx.hw.kind == "gpu" else 4  # matmul weights: fp8, or
     # the compute dtype on a GPU
     tprog = ctx.teacher or ctx.prog
@@ -287,8 +287,7 @@ def distill(ctx: Context, p) -> Stage:
     if not fsdp:
         fixes.append("shard=fsdp under torchrun: parameters, gradients and optimizer state divided by the processes")
     # with shard=fsdp and checkpointing: the weights, optimizer state, teacher and best weights divided, the rest not
-    unsharded = state_bytes(p.params, "adamw" if p.optimizer == "adamw-cosine" else p.optimizer
-                            if p.optimizer in MOMENT_BYTES else "adamw", p.offload, p.best)
+    unsharded = state_bytes(p.params, algorithm, p.offload, p.best)
     sharded = frozen * share + unsharded["device"] * trainable + (0.0 if p.teacher_logits else teacher_bytes * t_n)
     single = 4.0 * p.seq * (blocks[0].hidden * len(blocks) + saved_floats_max(blocks, p.seq, ctx.device))
     room = ctx.hw.memory_bytes - ctx.base - 4 * largest * ctx.hw.compute_bytes - logits_bytes(vocab, 1, p.seq) - single

@@ -58,9 +58,9 @@ class Hidden:
             return (self.head(x) if self.head is not None else F.linear(x, self.weight)).float()
 
 
-def chunks(positions: int, vocab: int, chunk_bytes: int | None = None) -> Iterator[slice]:
-    """Slices of `positions` whose float32 logits take at most `chunk_bytes` (at least one position each)."""
-    step = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * vocab))
+def chunks(positions: int, vocab: int) -> Iterator[slice]:
+    """Slices of `positions` whose float32 logits take at most `CHUNK_BYTES` (at least one position each)."""
+    step = max(1, CHUNK_BYTES // (4 * vocab))
     for i in range(0, positions, step):
         yield slice(i, min(i + step, positions))
 
@@ -110,19 +110,14 @@ def projection(model):
 
 
 # -- the figures: each from flattened Hidden rows (`Hidden.rows`) -----------------------------------------------
-def kl_terms(teacher: Hidden, student: Hidden, temperature: float = 1.0) -> Callable[[slice], torch.Tensor]:
-    """Per chunk, KL(teacher || student) per position (`positions.kl`); the teacher's logits without grad."""
+def kl_sum(teacher: Hidden, student: Hidden, temperature: float = 1.0) -> torch.Tensor:
+    """Summed KL(teacher || student) (`positions.kl`) over the positions of both flattened rows; the teacher's
+    logits without grad."""
     def term(rows):
         with torch.no_grad():
             t = teacher.logits(rows)
-        return kl(t, student.logits(rows), temperature)
-    return term
-
-
-def kl_sum(teacher: Hidden, student: Hidden, temperature: float = 1.0) -> torch.Tensor:
-    """Summed KL(teacher || student) over the positions of both flattened rows."""
-    term = kl_terms(teacher, student, temperature)
-    return summed(lambda rows: term(rows).sum(), len(student.states), student.vocab)
+        return kl(t, student.logits(rows), temperature).sum()
+    return summed(term, len(student.states), student.vocab)
 
 
 def topk_kl_sum(values: torch.Tensor, indices: torch.Tensor, student: Hidden, temperature: float = 1.0):
