@@ -194,6 +194,7 @@ def main() -> None:
     ap.add_argument("--json", help="write every row here")
     args = ap.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="puzzlekit-counts-"))
+    root.mkdir(parents=True, exist_ok=True)
     data = corpus(root / "corpus.jsonl")
     rows = []
     print(f"{'layers':>6} {'experts':>7} {'stage':<15} {'wall s':>8} {'cpu s':>8} {'peak GB':>8}")

@@ -3,7 +3,11 @@ measures in a fresh process (/usr/bin/time -v), on the Super-counts miniature (b
 and on the scale benchmark's 1.95 GB checkpoint (`library` under `--max-memory 1GB`). Target: peak within 25%,
 time within 2x.
 
-Run: python benchmarks/estimate.py [--keep DIR] [--stages library distill quantize-fp8 mtp-check scale-library]
+The distillation also runs in each state mode (`MODES`: bf16 parameters and moments, 8-bit moments, an FP8
+teacher), each a row of its own beside float32 AdamW's. Offload has no row: on a CPU there is nowhere to move the
+state to.
+
+Run: python benchmarks/estimate.py [--keep DIR] [--stages library distill distill-bf16 ... scale-library]
                                    [--json FILE]
 """
 from __future__ import annotations
@@ -20,7 +24,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import counts  # noqa: E402
 import scale  # noqa: E402
 
-STAGES = ("library", "distill", "quantize-fp8", "quantize-nvfp4", "mtp-check", "scale-library", "library-held")
+#: the distillation's state modes (distill's options), each a row beside the float32 AdamW one (`distill`)
+MODES = {"distill-bf16": "params=bf16,optimizer=adamw-bf16", "distill-8bit": "optimizer=adamw-8bit",
+         "distill-fp8-teacher": "teacher_dtype=fp8"}
+STAGES = ("library", "distill", *MODES, "quantize-fp8", "quantize-nvfp4", "mtp-check", "scale-library", "library-held")
 
 
 def estimated(cmd: list[str]) -> dict:
@@ -88,6 +95,9 @@ def main() -> None:
     (work / "out").mkdir()
     cmds = counts.commands(ckpt, work / "out", data)
     cli = [sys.executable, "-m", "puzzlekit.tools"]
+    for name, options in MODES.items():  # counts.py's distill command with the mode's options
+        cmds[name] = [*cli, "run", str(ckpt), "-p", f"snapshot{{name=teacher}},distill{{steps=4,seq={counts.SEQ},"
+                      f"{options}}}", "-o", str(work / "out" / name), "--overwrite", "--data", str(data)]
     if "scale-library" in a.stages:
         big = scale_checkpoint(work)
         grid = work / "scale-grid.toml"  # benchmarks/scale.py's library command

@@ -243,9 +243,11 @@ def distill(ctx: Context, p) -> Stage:
     algorithm = p.optimizer if p.optimizer in (*MOMENT_BYTES, "adamw-cosine") else "adamw"
     state = state_bytes(p.params, algorithm, p.offload and fsdp, "disk", share)  # its host part: offloaded state
     frozen = PARAM_BYTES[p.params] * (n - trainable) / share
-    student = frozen + state["device"] * trainable
+    # offload moves every shard of the student to the host, the frozen trunk's (the MTP head's stage) too
+    frozen_host = frozen if p.offload and fsdp else 0.0
+    student = frozen - frozen_host + state["device"] * trainable
     kept_best = PARAM_BYTES[p.params] * trainable / share if p.keep_best and p.best == "host" else 0.0
-    offloaded = state["host"] * trainable
+    offloaded = state["host"] * trainable + frozen_host
     teacher_bytes = 1 if p.teacher_dtype == "fp8" else 2 if ctx.hw.kind == "gpu" else 4  # matmul weights: fp8, or
     # the compute dtype on a GPU
     tprog = ctx.teacher or ctx.prog

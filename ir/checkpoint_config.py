@@ -18,6 +18,7 @@ from .hf_fields import (MAX_LAYERS, check_fields, check_supported, kinds_of, nee
                         too_many_layers)
 from . import nemotron_h_puzzle as puzzle
 from .quant import modelopt
+from .quant.formats import meta_quantized
 from .weights import WeightStore
 
 #: puzzlekit's extended form: every block kind, our attribute names (no serving engine reads it)
@@ -284,9 +285,14 @@ def _with_quantization(prog: Program, qc, src) -> Program:
 
 
 def meta_weights(prog: Program, dtype: torch.dtype = torch.bfloat16) -> Program:
-    """Gives every parameter a meta tensor (shape and dtype only, no memory)."""
+    """Gives every parameter a meta tensor (shape and dtype only, no memory); a weight its spec quantises, a meta
+    quantised weight in that format, and its activation scale (a config declaring its checkpoint's formats)."""
     for n in prog.nodes:
-        for local, shape in n.op.params().items():
-            fp32 = local in n.op.fp32_params()
-            prog.weights.set_meta(f"{n.path}.{local}", shape, torch.float32 if fp32 else dtype)
+        fp32, quant = n.op.fp32_params(), dict(n.op.quant)
+        for local, shape in n.op.stored_params().items():
+            if local in quant:
+                prog.weights.set(f"{n.path}.{local}", meta_quantized(quant[local], shape, dtype))
+            else:
+                prog.weights.set_meta(f"{n.path}.{local}", shape, torch.float32 if local in fp32 or
+                                      local.endswith(".input_scale") else dtype)
     return prog

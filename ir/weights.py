@@ -296,8 +296,10 @@ class WeightStore:
         return self._entries[name].dtype
 
     def is_meta(self, name: str) -> bool:
+        """Shape and dtype only: a meta tensor, or a quantised weight of meta tensors (a config's declared format)."""
         e = self._entries[name]
-        return isinstance(e, torch.Tensor) and e.is_meta
+        data = e if isinstance(e, torch.Tensor) else getattr(e, "data", None)
+        return isinstance(data, torch.Tensor) and data.is_meta
 
     def is_quantized(self, name: str) -> bool:
         return not isinstance(self._entries[name], (torch.Tensor, _Lazy))

@@ -235,3 +235,23 @@ def test_auto_choices_carry_to_another_parse_of_the_pipeline():
             setattr(p, k, v)
     apply(run, keyed(checked, est.chosen))
     assert print_pipeline(run) == print_pipeline(checked) != text
+
+
+def test_offload_moves_the_frozen_trunk_of_the_heads_stage_to_the_host():
+    """FSDP2's CPUOffloadPolicy holds every shard of the student on the host: in the MTP head's stage the frozen
+    trunk's too, not only the trained head's state."""
+    from puzzlekit import ir
+    from puzzlekit.estimate import estimate, parse_hardware
+    from puzzlekit.passes.core import PASSES
+    from puzzlekit.tools.default_model import model_path
+    from puzzlekit.training.optimizers import PARAM_BYTES
+
+    prog = ir.load(model_path(SUPER))
+    hw = parse_hardware("h100:8")
+    stage = {off: estimate([PASSES["distill"](shard="fsdp", head_only=True, offload=off)], prog, hw, 2**62,
+                           rates=Untimed(hw)).stages[0] for off in (False, True)}
+    head = next(n.op for n in prog.nodes if n.op.kind == "mtp").param_count()
+    frozen = PARAM_BYTES["fp32"] * (prog.param_counts()["total"] - head) / 8
+    part = "student (weights, gradients, optimizer)"
+    assert stage[False].memory[part] - stage[True].memory[part] > frozen  # the trunk, and the head's own state
+    assert stage[True].host["offloaded state"] - stage[False].host["offloaded state"] > frozen

@@ -150,12 +150,13 @@ def frontier(parent, args, library: Path) -> list[dict]:
     from ..passes.puzzle import Library
     from ..passes.puzzle.search import PlanError, Search
 
-    lib = Library.open(library, parent)
-    points = []
+    points, search = [], None
     for factor in (0.75, 0.9, 1.0, 1.15, 1.3):
         key, c = _scaled(args, factor)
-        search = Search(lib, parent, [(args.target, args.scenario)], deploy_recipe(args.target), "kl", c,
-                        engine=args.engine, prices=args.prices)
+        if search is None:
+            search = Search(Library.open(library, parent), parent, [(args.target, args.scenario)],
+                            deploy_recipe(args.target), "kl", c, engine=args.engine, prices=args.prices)
+        search.c = c  # one search priced once: a budget is its constraints (as `plan --sweep`)
         for method in ("mip", "uniform", "greedy"):
             try:
                 plan = search.plan(method)

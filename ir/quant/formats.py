@@ -125,6 +125,17 @@ class NVFP4Tensor:
         return self.data.numel() + self.block_scale.numel() + 4
 
 
+def meta_quantized(fmt: str, shape, dtype: torch.dtype = torch.bfloat16):
+    """A quantised weight of `shape` in `fmt` (QUANT_FORMATS) with meta tensors only: what a config that declares
+    its checkpoint's quantisation describes, planned and priced without reading a weight."""
+    meta = lambda s, d: torch.empty(tuple(s), dtype=d, device="meta")  # noqa: E731
+    shape = tuple(shape)
+    if QUANT_FORMATS[fmt][0] == "fp8":
+        return FP8Tensor(meta(shape, torch.float8_e4m3fn), meta((), torch.float32), dtype)
+    return NVFP4Tensor(meta((*shape[:-1], shape[-1] // 2), torch.uint8),
+                       meta((*shape[:-1], shape[-1] // NVFP4_BLOCK), torch.float8_e4m3fn), meta((), torch.float32), dtype)
+
+
 def _block_amax(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(*w.shape[:-1], -1, NVFP4_BLOCK).abs().amax(-1)
 

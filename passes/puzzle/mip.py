@@ -85,7 +85,7 @@ def lower_bound(problem: Problem) -> float | None:
     top = reduced.max() if reduced.max() > 0 else 1.0
     c = np.zeros(problem._n_vars)
     c[:reduced.size] = reduced / top
-    with _native_stdout_to_stderr():
+    with _native_stdout_dropped():
         res = milp(c, integrality=np.zeros(problem._n_vars), bounds=Bounds(0, 1),
                    constraints=_rows(problem, _constraints(problem), []))
     return None if res.x is None else base + max(res.fun, 0.0) * top * (1 - 1e-9) - 1e-12 * abs(base)
@@ -127,7 +127,7 @@ def _optimise(p: Problem, objective, active, cuts, time_limit, gap, prune: bool 
             return _Run(None, "none better", math.inf, time.perf_counter() - t0)
         upper[fixed] = 0.0
     for _ in range(_RETRIES):
-        with _native_stdout_to_stderr():
+        with _native_stdout_dropped():
             res = milp(c, integrality=np.ones(p._n_vars), bounds=Bounds(0, upper), constraints=_rows(p, active, cuts),
                        options={"time_limit": time_limit, "mip_rel_gap": gap})
         status = _STATUS.get(res.status, res.message)
@@ -167,7 +167,7 @@ def _beating(c: np.ndarray, upper: np.ndarray, rows: LinearConstraint, beat: flo
     A = csr_array(rows.A)
     eq = rows.lb == rows.ub
     up, lo = ~eq & np.isfinite(rows.ub), ~eq & np.isfinite(rows.lb)
-    with _native_stdout_to_stderr():
+    with _native_stdout_dropped():
         res = linprog(c, A_ub=vstack([A[up], -A[lo]]) if (up | lo).any() else None,
                       b_ub=np.concatenate([rows.ub[up], -rows.lb[lo]]) if (up | lo).any() else None,
                       A_eq=A[eq] if eq.any() else None, b_eq=rows.ub[eq] if eq.any() else None,
@@ -183,13 +183,16 @@ def _beating(c: np.ndarray, upper: np.ndarray, rows: LinearConstraint, beat: flo
 
 
 @contextmanager
-def _native_stdout_to_stderr():
-    """HiGHS writes some diagnostics to file descriptor 1 itself, past sys.stdout, which would break a
-    command's `--json` output: during a solve, descriptor 1 points at stderr (C's buffers flushed first)."""
+def _native_stdout_dropped():
+    """HiGHS prints its own debugging lines (`HighsMipSolverData::...tmpSolver.run();`) to file descriptor 1
+    itself, past sys.stdout: they would break a command's `--json` output and mean nothing to a user (the solve's
+    outcome comes back in its result). During a solve, descriptor 1 points at the null device (C's buffers
+    flushed first)."""
     sys.stdout.flush()
-    saved = os.dup(1)
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(2, 1)
+        os.dup2(null, 1)
+        os.close(null)
         yield
     finally:
         if _LIBC is not None:

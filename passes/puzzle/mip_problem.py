@@ -48,6 +48,10 @@ class Problem:
         self._y_start = dict(zip(self._labels, starts[:-1].tolist()))
         self._n_vars = int(starts[-1])
 
+    def codes(self, group: str) -> np.ndarray:
+        """A uniform group's label per option as an integer code (-1: the option is not concerned)."""
+        return self._codes[group]
+
 
 @dataclass
 class Solution:
