@@ -72,18 +72,9 @@ def _with(p, options: dict):
 
 def keyed(passes: list, chosen: list[tuple[object, dict]]) -> list[tuple[str, int, dict]]:
     """`chosen` ((pass, options) of `passes`) as (pass name, its occurrence among passes of that name, options):
-    what another parse of the same pipeline takes them by (`apply`)."""
+    how a run's summary names them (a repeat's body counted once)."""
     seen = _occurrences(passes)
     return [(p.pass_name, seen[id(p)], opts) for p, opts in chosen]
-
-
-def apply(passes: list, keyed_choices: list[tuple[str, int, dict]]) -> None:
-    """Sets `keyed` choices on the passes of another parse of the same pipeline."""
-    occurrence = _occurrences(passes)
-    by_key = {(getattr(p, "pass_name", ""), occurrence[id(p)]): p for p in _flat(passes)}
-    for name, k, opts in keyed_choices:
-        for option, value in opts.items():
-            setattr(by_key[(name, k)], option, value)
 
 
 def _flat(passes: list) -> list:

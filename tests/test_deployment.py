@@ -6,6 +6,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import re
 
 import pytest
@@ -128,9 +129,14 @@ def test_compress_writes_the_workload_it_priced(tmp_path):
     from puzzlekit.tools.compress import _workload
 
     args = argparse.Namespace(scenario="chat", input_len=None, output_len=None, rate_floor=None, gpus=None,
-                              layout=None)
-    assert _workload(args, tmp_path / "a") == "chat" and not (tmp_path / "a").exists()
+                              layout=None, estimate=False)
+    with _workload(args, tmp_path / "a") as named:
+        assert named == "chat" and not (tmp_path / "a").exists()
     args.input_len, args.rate_floor = 777, 0.0
-    path = _workload(args, tmp_path / "b")
-    assert path == str(tmp_path / "b" / "scenario.toml")
+    with _workload(args, tmp_path / "b") as path:
+        assert path == str(tmp_path / "b" / "scenario.toml")
     assert get_scenario(path) == get_scenario("chat", input_len=777, rate_floor=0.0)
+    args.estimate = True  # an estimate writes nothing: the scenario lives in a temporary file while it runs
+    with _workload(args, tmp_path / "c") as temp:
+        assert get_scenario(temp) == get_scenario("chat", input_len=777, rate_floor=0.0)
+    assert not (tmp_path / "c").exists() and not os.path.exists(temp)

@@ -216,25 +216,27 @@ def test_a_distillations_measured_peak_is_within_a_quarter_of_its_estimate(tmp_p
     assert 1.2e9 < estimate and peak == pytest.approx(estimate, rel=0.25)
 
 
-def test_auto_choices_carry_to_another_parse_of_the_pipeline():
-    """compress checks one parse of its pipeline and runs another: what auto chose on the first is set on the
-    second, pass by pass (a repeat's body included), and nothing else changes."""
+def test_auto_choices_are_set_on_the_passes_the_run_runs_and_named_by_occurrence():
+    """The check before a run sets what auto chose on the very passes the run then runs (compress parses its
+    pipeline once), a repeat's body included, and lists them by pass name and occurrence for the summary."""
+    from argparse import Namespace
+
     from puzzlekit import ir
-    from puzzlekit.estimate import estimate, parse_hardware
-    from puzzlekit.estimate.choose import apply, keyed
     from puzzlekit.passes import parse_pipeline, print_pipeline
     from puzzlekit.tools.default_model import model_path
+    from puzzlekit.tools.estimate import check_before_run
 
     text = "snapshot{name=teacher},repeat{n=2}(set-topk{k=1},distill{steps=3}),distill{head_only=true}"
-    prog, hw = ir.load(model_path(SUPER)), parse_hardware("b200:8")
-    checked, run = parse_pipeline(text), parse_pipeline(text)
-    est = estimate(checked, prog, hw, 2**62, rates=Untimed(hw), auto=True)
-    assert len(est.chosen) == 2  # both distillations needed something
-    for p, opts in est.chosen:
-        for k, v in opts.items():
-            setattr(p, k, v)
-    apply(run, keyed(checked, est.chosen))
-    assert print_pipeline(run) == print_pipeline(checked) != text
+    passes = parse_pipeline(text)
+    args = Namespace(hardware="b200:8", device="auto", max_memory=None, estimate=False, json=True, model=SUPER,
+                     threads=0)
+    chosen: list = []
+    assert check_before_run(args, passes, ir.load(model_path(SUPER)), chosen=chosen) is False
+    assert [(name, k) for name, k, _ in chosen] == [("distill", 0), ("distill", 1)]
+    body, head = passes[1].body[1], passes[2]
+    for p, (_, _, opts) in zip((body, head), chosen):
+        assert opts and all(getattr(p, k) == v for k, v in opts.items())
+    assert print_pipeline(passes) != print_pipeline(parse_pipeline(text))
 
 
 def test_offload_moves_the_frozen_trunk_of_the_heads_stage_to_the_host():

@@ -157,31 +157,39 @@ def compress(args, progress: bool = True) -> dict:
         set_tokenizer(parent, args.tokenizer)
         tokenizer_of(parent)
     get_engine(args.engine).check_parent(parent)  # a head no child of which the engines serve: before the library
-    auto: list = []  # the settings auto chooses to fit, applied to the run's passes
-    if _check_before_run(args, parent, out, auto):
-        return {}
-    corpus = _text(args, parent)
     library = Path(args.library) if args.library else out / "library"
-    _check_held_out(args, out, library, corpus, parent)
-    args.scenario = _workload(args, out)
-    with _pinned_cost_table(args, out):
-        return _run(args, out, parent, library, progress, auto)
+    with _workload(args, out) as scenario:
+        args.scenario = scenario
+        passes = _pipeline(args, out, library, parent)  # parsed once: auto's settings are set on these passes
+        auto: list = []  # what auto chose, for the summary
+        if _check_before_run(args, parent, passes, auto):
+            return {}
+        corpus = _text(args, parent)
+        _check_held_out(passes, corpus, parent)
+        with _pinned_cost_table(args, out):
+            return _run(args, out, parent, passes, library, progress, auto)
 
 
-def _check_before_run(args, parent, out: Path, auto: list) -> bool:
-    """The estimate of every stage from the parent's config and the options (tools/estimate.py): printed with
-    --estimate (True: nothing more to do), otherwise a stage that cannot fit refuses the run before any work."""
+def _pipeline(args, out: Path, library: Path, parent) -> list:
+    """The run's passes: the pipeline template filled in from the options, less the head's work on a model
+    without one."""
     from ..errors import read_text
     from ..passes import parse_pipeline, resolve_pipeline
     from ..passes.pipeline import PIPELINES_DIR
+
+    template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
+    text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
+    return head_work(parse_pipeline(resolve_pipeline(text)), parent)
+
+
+def _check_before_run(args, parent, passes: list, auto: list) -> bool:
+    """The estimate of every stage from the parent's config and the options (tools/estimate.py): printed with
+    --estimate (True: nothing more to do), otherwise a stage that cannot fit refuses the run before any work.
+    The settings auto chooses are set on `passes` (and listed in `auto`)."""
     from .common import note_head_options
     from .estimate import check_before_run
 
     note_head_options(args, parent, {"head_steps": "--head-steps", "mtp_tolerance": "--mtp-tolerance"})
-    library = Path(args.library) if args.library else out / "library"
-    template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
-    text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
-    passes = head_work(parse_pipeline(resolve_pipeline(text)), parent)
     if args.library:  # an existing library: no library stage to run
         passes = [p for p in passes if getattr(p, "pass_name", "") != "library"]
     return check_before_run(args, passes, parent, announce=True, plan=True, chosen=auto,
@@ -196,18 +204,13 @@ def _text(args, parent):
     return corpus_for(parent, args.data, progress=not args.json and sys.stderr.isatty())
 
 
-def _check_held_out(args, out: Path, library: Path, corpus, parent) -> None:
+def _check_held_out(passes: list, corpus, parent) -> None:
     """Before any work: every held-out set the pipeline's passes and the report draw windows from holds one."""
     from ..text.data import require_windows
-    from ..errors import read_text
-    from ..passes import parse_pipeline, resolve_pipeline
-    from ..passes.pipeline import PIPELINES_DIR
     from .common import check_held_out
     from .compress_outputs import PROMPT_LEN, REPORT_SEQ
 
-    template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
-    text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
-    check_held_out(head_work(parse_pipeline(resolve_pipeline(text)), parent), corpus)
+    check_held_out(passes, corpus)
     require_windows(corpus, "report", REPORT_SEQ + 1, "the report's figures")
     if parent.find("mtp"):
         require_windows(corpus, "report", PROMPT_LEN, "the report's MTP prompts")
@@ -236,33 +239,35 @@ def _run_key(parent, args) -> str:
     return key if tok is BYTES and not args.data else f"{key}|{tok.identity}|{fingerprint(args.data or [])}"
 
 
-def _workload(args, out: Path) -> str:
+@contextlib.contextmanager
+def _workload(args, out: Path):
     """The scenario the run prices: the named one, or with workload options its resolved form written to
-    OUT/scenario.toml (so the pipeline, a rerun and the report read the same one)."""
+    OUT/scenario.toml (so the pipeline, a rerun and the report read the same one); for --estimate, to a temporary
+    file (an estimate writes nothing)."""
+    import tempfile
+
     from ..backends.cost import get_scenario
     from .common import scenario_of
 
     sc = scenario_of(args)
     if sc == get_scenario(args.scenario):
-        return args.scenario
-    out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "scenario.toml", sc.to_toml())
-    return str(out / "scenario.toml")
+        yield args.scenario
+    elif args.estimate:
+        with tempfile.TemporaryDirectory(prefix="puzzlekit-scenario-") as tmp:
+            write_text(Path(tmp) / "scenario.toml", sc.to_toml())
+            yield str(Path(tmp) / "scenario.toml")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        write_text(out / "scenario.toml", sc.to_toml())
+        yield str(out / "scenario.toml")
 
 
-def _run(args, out: Path, parent, library: Path, progress: bool, auto: list) -> dict:
+def _run(args, out: Path, parent, passes: list, library: Path, progress: bool, auto: list) -> dict:
     from ..backends.cost import CostModel, get_scenario
     from ..backends.torch.device import use_threads
-    from ..errors import read_text
-    from ..passes import Instrumentation, PassManager, parse_pipeline, print_pipeline, resolve_pipeline
-    from ..passes.pipeline import PIPELINES_DIR
-    from ..estimate.choose import apply as apply_choices
+    from ..passes import Instrumentation, PassManager, print_pipeline
     from ..passes.stages import StageCheckpoints
 
-    template_file = Path(args.pipeline) if args.pipeline else PIPELINES_DIR / "compress.pipeline"
-    text = pipeline_text(read_text(template_file, "pipeline", PuzzlekitError), args, out, library)
-    passes = head_work(parse_pipeline(resolve_pipeline(text)), parent)
-    apply_choices(passes, auto)  # what the check before the run chose to fit
     src = Path(parent.meta["source"])
     use_threads(parent.param_counts()["total"], args.threads)
     CostModel(parent, args.target, get_scenario(args.scenario)).check_priceable(args.context)
