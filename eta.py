@@ -14,7 +14,7 @@ LINES = "lines"
 SHARE, MOST, LEAST = 0.1, 180.0, 30.0
 
 
-def _human(seconds: float) -> str:
+def duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
     return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
@@ -56,14 +56,14 @@ class Remaining:
         left = spent / self.count * max(0, self.total - self.count)
         head = f"{self.stage}: {self.count} of {self.total} {self.unit}s"
         if self.said_at is None and self.count < self.total:
-            self._say(now, f"{head} in {_human(spent)}; about {_human(left)} left")
+            self._say(now, f"{head} in {duration(spent)}; about {duration(left)} left")
         elif not self.lines:
             return
         elif self.count >= self.total:
             if self.said_count != self.count:
-                self._say(now, f"{head} in {_human(spent)}")
+                self._say(now, f"{head} in {duration(spent)}")
         elif self._due(now):
-            self._say(now, f"{head}, {_human(spent)} so far; about {_human(left)} left")
+            self._say(now, f"{head}, {duration(spent)} so far; about {duration(left)} left")
 
     def _due(self, now: float) -> bool:
         quiet = now - self.said_at

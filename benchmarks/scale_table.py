@@ -3,8 +3,9 @@ from `--estimate` on the shipped configs (no weights): memory per GPU, host memo
 the settings `auto` picks for each, at a full-size run's budgets.
 
 The pipeline is compress's own (library, search for a 2x child for serving on an 8xB200 node for Super, 8xH100 for
-Nano, distillation of it, the MTP head's recovery and check, NVFP4 quantisation) with the budgets below; the stages
-after the search are estimated at the child a weightless search picks for the target.
+Nano, distillation of it, the MTP head's recovery and check, NVFP4 quantisation, then the outputs: the report, the
+frontier, the engine bundle) with the budgets below; the stages after the search are estimated at the child a
+weightless search picks for the target.
 
 Run: python benchmarks/scale_table.py [--models ...] [--hardware h100:1 h100:8 b200:8 b200:16] [--json FILE]
 """
@@ -37,19 +38,22 @@ def row(model: str, hw_text: str) -> dict:
     from puzzlekit.estimate import estimate, parse_hardware
     from puzzlekit.passes import parse_pipeline
     from puzzlekit.tools.compress import head_work
+    from puzzlekit.tools.compress_outputs import outputs_work
     from puzzlekit.tools.default_model import model_path
 
     prog = ir.load(model_path(model))
     hw = parse_hardware(hw_text)
-    passes = head_work(parse_pipeline(PIPELINE.format(target=TARGETS.get(model, "8xb200"))), prog)
+    target = TARGETS.get(model, "8xb200")
+    passes = head_work(parse_pipeline(PIPELINE.format(target=target)), prog)
+    work = outputs_work(argparse.Namespace(quick=False, target=target, scenario="chat"))  # compress's, not --quick
     est = estimate(passes, prog, hw, hw.host_bytes // 2 if hw.kind == "gpu" else 2**40, model, writes=True,
-                   plan=True, auto=True)
+                   plan=True, auto=True, outputs=work)
     return est.as_json() | {"auto_line": est.choices()}
 
 
 def cell(stage: dict, node: int) -> str:
     mem = stage["peak_memory_bytes"] / GiB
-    host = stage.get("host_bytes", 0) * node / GiB
+    host = stage.get("host_bytes", 0) * (1 if stage.get("rank0_alone") else node) / GiB
     text = f"{mem:,.0f} GiB, host {host:,.0f} GiB, {stage['seconds'] / 3600:.1f} h"
     return text if stage["fits"] else text + " (**does not fit**)"
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from .hardware import GPU_EFFICIENCY, Hardware, Rates, Untimed, parse_hardware
 from .choose import CHOSEN, climb, describe
+from .outputs import Outputs, outputs as outputs_stage
 from .stages import ESTIMATORS, Context, Stage, output
 
-__all__ = ["Estimate", "GPU_EFFICIENCY", "Hardware", "Rates", "Stage", "estimate", "parse_hardware"]
+__all__ = ["Estimate", "GPU_EFFICIENCY", "Hardware", "Outputs", "Rates", "Stage", "estimate", "parse_hardware"]
 
 GiB = 2**30
 #: a process's start: the interpreter, torch and puzzlekit imported, the model's index read (2-core machine)
@@ -53,7 +54,7 @@ class Estimate:
         host = f"{'host/node' if node > 1 else 'host':>12}" if self.hw.kind == "gpu" else ""
         rows = [f"{'stage':<20} {'peak/process':>14}{host} {'time':>10}  fits", "-" * (52 + len(host))]
         for s in self.stages:
-            h = f"{s.host_bytes * node / GiB:>8.0f} GiB" if host else ""
+            h = f"{s.host_bytes * (1 if s.alone else node) / GiB:>8.0f} GiB" if host else ""
             rows.append(f"{s.name:<20} {s.peak_memory_bytes / GiB:>10.2f} GiB{h} {_duration(s.seconds):>10}  "
                         f"{'yes' if s.fits else 'NO'}")
         hw = self.hw.describe()
@@ -96,13 +97,15 @@ def _duration(seconds: float) -> str:
 
 
 def estimate(passes: list, prog, hw: Hardware, budget: int, model: str = "", rates: Rates | None = None,
-             writes: bool = False, left_out: str = "", plan: bool = False, auto: bool = False) -> Estimate:
+             writes: bool = False, left_out: str = "", plan: bool = False, auto: bool = False,
+             outputs: Outputs | None = None) -> Estimate:
     """Every pass with an estimator, in order (a `repeat{n}` body n times; the others are cheap and left out), and
     with `writes` the checkpoint written at the end. With `plan`, the stages after the last round's search are
     estimated at the child it picks (`child.planned_child`: a weightless search, seconds), not at the parent.
     With `auto`, each pass `choose.CHOSEN` names gets the cheapest settings that fit (`choose.climb`, at its first
     run: a repeat's first round is the largest model), estimated so, and listed in `Estimate.chosen` as (the
-    pass, the options set) for the caller to apply to the passes it runs."""
+    pass, the options set) for the caller to apply to the passes it runs. `outputs`: compress's work after the
+    child is written (the report, the frontier, the bundle), as one last stage."""
     ctx = parent = Context(prog, hw, budget, rates)
     named = lambda name: [p for p, last in _walk(passes) if getattr(p, "pass_name", "") == name and last]
     child = None
@@ -122,6 +125,8 @@ def estimate(passes: list, prog, hw: Hardware, budget: int, model: str = "", rat
             ctx = Context(child, hw, budget, parent.rates, teacher=prog)
     if writes:
         stages.append(output(ctx))
+    if outputs is not None:
+        stages.append(outputs_stage(parent, ctx, outputs))
     est = Estimate(stages, hw, model or str(prog.meta.get("source", "")), budget, left_out)
     if child is not None:
         est.child = (prog.param_counts(), child.param_counts())

@@ -47,6 +47,7 @@ class Stage:
         return int(sum(self.memory.values()))
 
     host_capacity: int = 2**62  # host memory per process (on GPUs: its share of the node's)
+    alone: bool = False  # run by rank 0 alone (the output): the node's host memory is its own
 
     @property
     def host_bytes(self) -> int:
@@ -61,7 +62,7 @@ class Stage:
                 "fits": self.fits, "capacity_bytes": self.capacity,
                 "memory": {k: int(v) for k, v in self.memory.items() if v}, "notes": self.notes,
                 "host_memory": {k: int(v) for k, v in self.host.items() if v}, "host_bytes": self.host_bytes,
-                "host_capacity_bytes": self.host_capacity,
+                "host_capacity_bytes": self.host_capacity, "rank0_alone": self.alone,
                 "fixes": [] if self.fits else self.fixes}
 
 
@@ -123,13 +124,16 @@ class Context:
         ops = self.blocks() if ops is None else ops
         return sum(self.rates.forward(op, rows, seq) for op in ops)
 
-    def stage(self, name: str, memory: dict, seconds: float, fixes=(), notes=(), host: dict | None = None) -> Stage:
-        """`host`: parts held in host memory (tapes, copies being written): on the CPU they are the same memory."""
+    def stage(self, name: str, memory: dict, seconds: float, fixes=(), notes=(), host: dict | None = None,
+              alone: bool = False) -> Stage:
+        """`host`: parts held in host memory (tapes, copies being written): on the CPU they are the same memory.
+        `alone`: rank 0's work while the others wait (the output), with the node's host memory to itself."""
         host = host or {}
         if self.hw.kind == "cpu":
             memory, host = memory | host, {}
+        share = min(self.hw.processes, 8) if alone and self.hw.kind == "gpu" else 1
         return Stage(name, {"process": self.base} | memory, seconds, self.hw.memory_bytes, list(fixes), list(notes),
-                     host, self.hw.host_bytes)
+                     host, self.hw.host_bytes * share, alone)
 
 
 def _params(prog) -> int:
@@ -365,7 +369,7 @@ def output(ctx: Context) -> Stage:
     tensors = ctx.tensors()
     stored = ctx.params() * STORED_BYTES.get(str(ctx.prog.meta.get("dtype", "")), 4)
     seconds = tensors * WRITE_PER_TENSOR + stored / WRITE_RATE
-    return ctx.stage("write", {}, seconds, host={"shard being written": min(stored, ctx.budget / 4)})
+    return ctx.stage("write", {}, seconds, host={"shard being written": min(stored, ctx.budget / 4)}, alone=True)
 
 
 ESTIMATORS = {"library": library, "puzzle": puzzle, "distill": distill, "mtp-check": mtp_check, "quantize": quantize}

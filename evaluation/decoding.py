@@ -74,16 +74,20 @@ def _cached_mtp_drafter(model):
 
 
 @torch.no_grad()
-def acceptance_length(model, prompts: torch.Tensor, k: int, new_tokens: int, drafter: Drafter | None = None) -> float:
+def acceptance_length(model, prompts: torch.Tensor, k: int, new_tokens: int, drafter: Drafter | None = None,
+                      decode_first: bool | None = None) -> float:
     """Mean tokens produced per trunk verification step of greedy self-speculative decoding.
 
     Each step takes the trunk's next token, drafts k more, and keeps the drafts up to the first that
     differs from the trunk's own greedy choice: a perfect drafter gives k + 1, a useless one 1. The trunk runs
     from its decode state (as a serving engine does): a prompt is read once, each step verifies its k + 1
-    tokens as one chunk, and a rejection re-reads just the kept ones from the state before the step. The
+    tokens as one chunk, and a rejection re-reads just the kept ones from the state before the step. Where most
+    first drafts fail (`decode_first`; None: from the fifth step on, while more than half of the steps so far
+    kept none), a step decodes the trunk's next token alone first and verifies the drafts only if the first one
+    holds: one trunk pass for a step that keeps no draft instead of two. The figure is the same either way. The
     default drafter is the MTP head, from the same state."""
     draft = _cached_mtp_drafter(model) if drafter is None else (lambda seq, bonus, k, state: drafter(seq, bonus, k))
-    lengths = []
+    lengths, kept_some = [], 0
     for prompt in prompts:
         seq = prompt.clone()
         outs, state = model.prefill(seq[None])
@@ -91,22 +95,49 @@ def acceptance_length(model, prompts: torch.Tensor, k: int, new_tokens: int, dra
         produced = 0
         while produced < new_tokens:
             drafts = draft(seq, bonus, k, state)
-            chunk = torch.tensor([[bonus] + drafts])
-            outs, verified = model.prefill(chunk, state)
-            greedy = _checked(outs, model, "")[0][0].argmax(-1).tolist()  # after bonus, d1, ..., dk
-            accepted = 0
-            while accepted < k and drafts[accepted] == greedy[accepted]:
-                accepted += 1
+            alone = decode_first if decode_first is not None else len(lengths) >= 4 and 2 * kept_some < len(lengths)
+            accepted, state, after = (_next_first if alone else _chunk)(model, state, bonus, drafts)
+            kept_some += accepted > 0
             lengths.append(accepted + 1)
-            kept = chunk[:, : accepted + 1]
-            if accepted < k:  # the state after the kept tokens alone (one token: the recurrent decode step)
-                state = model.decode(kept[:, 0], state)[1] if accepted == 0 else model.prefill(kept, state)[1]
-            else:
-                state = verified
-            seq = torch.cat([seq, kept[0]])
-            bonus = greedy[accepted]
+            seq = torch.cat([seq, torch.tensor([bonus, *drafts[:accepted]], dtype=seq.dtype)])
+            bonus = after
             produced += accepted + 1
     return float(np.mean(lengths))
+
+
+def _chunk(model, state, bonus: int, drafts: list[int]) -> tuple[int, tuple, int]:
+    """The trunk's next token and the drafts verified as one chunk: (drafts kept, the state after the kept
+    tokens, the trunk's token after them)."""
+    chunk = torch.tensor([[bonus, *drafts]])
+    outs, verified = model.prefill(chunk, state)
+    greedy = _checked(outs, model, "")[0][0].argmax(-1).tolist()  # after bonus, d1, ..., dk
+    accepted = _kept(drafts, greedy)
+    if accepted < len(drafts):  # the state after the kept tokens alone (one token: the recurrent decode step)
+        kept = chunk[:, : accepted + 1]
+        verified = model.decode(kept[:, 0], state)[1] if accepted == 0 else model.prefill(kept, state)[1]
+    return accepted, verified, greedy[accepted]
+
+
+def _next_first(model, state, bonus: int, drafts: list[int]) -> tuple[int, tuple, int]:
+    """As `_chunk`, with the trunk's next token decoded alone first and the drafts verified only if the first
+    draft is what the trunk chose."""
+    outs, after = model.decode(torch.tensor([bonus]), state)
+    first = int(_checked(outs, model, "")[0][0, -1].argmax())
+    if first != drafts[0]:
+        return 0, after, first
+    chunk = torch.tensor([drafts])
+    outs, verified = model.prefill(chunk, after)
+    greedy = [first, *_checked(outs, model, "")[0][0].argmax(-1).tolist()]  # after bonus, d1, ..., dk
+    accepted = _kept(drafts, greedy)
+    if accepted < len(drafts):
+        kept = chunk[:, :accepted]
+        verified = model.decode(kept[:, 0], after)[1] if accepted == 1 else model.prefill(kept, after)[1]
+    return accepted, verified, greedy[accepted]
+
+
+def _kept(drafts: list[int], greedy: list[int]) -> int:
+    """The drafts kept: up to the first that differs from the trunk's greedy choice."""
+    return next((i for i, (d, g) in enumerate(zip(drafts, greedy)) if d != g), len(drafts))
 
 
 # -- speed ------------------------------------------------------------------------------------------------------

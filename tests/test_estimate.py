@@ -85,7 +85,7 @@ def test_super_on_eight_h100s_from_its_config(capsys, tmp_path):
     e = json.loads(out)
     names = [s["stage"] for s in e["stages"]]
     assert names == ["library", "puzzle", "distill", "mtp-check", "distill (MTP head)", "mtp-check", "quantize",
-                     "write"]
+                     "write", "outputs"]
     assert e["hardware"]["processes"] == 8 and e["hardware"]["memory_bytes"] == 81559 * 2**20
     for s in e["stages"]:
         assert abs(s["peak_memory_bytes"] - sum(s["memory"].values())) <= len(s["memory"]) and s["seconds"] >= 0
@@ -156,7 +156,30 @@ def test_a_model_without_a_head_has_no_head_stages(capsys, tmp_path):
     code, out, _ = cli(capsys, "compress", "nemotron-3-nano-30b-a3b", "--estimate", "--hardware", "b200:8",
                        "--target", "b200", "--speedup", "2", "-o", tmp_path / "r", "--json")
     assert code == 0
-    assert [s["stage"] for s in json.loads(out)["stages"]] == ["library", "puzzle", "distill", "quantize", "write"]
+    assert [s["stage"] for s in json.loads(out)["stages"]] == ["library", "puzzle", "distill", "quantize", "write",
+                                                               "outputs"]
+
+
+@pytest.mark.parametrize("model", [SUPER, "nemotron-3-nano-30b-a3b"])
+def test_the_outputs_after_the_child_are_estimated_as_compress_runs_them(capsys, tmp_path, model):
+    """The report's evaluations (more windows without --quick; MTP acceptance only with a head), the frontier's
+    searches (longer than the one search they repeat) and the bundle (the child materialised on the host)."""
+    def outputs(*extra):
+        code, out, _ = cli(capsys, "compress", model, "--estimate", "--hardware", "h100:8", "--target", "8xh100",
+                           "--speedup", "2", "-o", tmp_path / "r", "--json", *extra)
+        e = json.loads(out)
+        assert code == 0 and e["stages"][-1]["stage"] == "outputs" and "lm-eval" in e["not_estimated"]
+        return e, e["stages"][-1]
+
+    full, stage = outputs()
+    quick = outputs("--quick")[1]
+    puzzle = next(s for s in full["stages"] if s["stage"] == "puzzle")
+    report, frontier, bundle = (float(x.split()[-2]) for x in stage["notes"][0].split(", "))
+    assert frontier > puzzle["seconds"] and bundle > 0 and stage["seconds"] > quick["seconds"] > frontier + bundle
+    export = stage["host_memory"]["the bundle's export (module, graphs, golden check)"]
+    assert export == pytest.approx(7.5 * 4 * full["planned_child_params"]) or model == SUPER  # and Super's head
+    assert export >= 7.5 * 4 * full["planned_child_params"] and stage["rank0_alone"]
+    assert full["seconds"] == pytest.approx(3.0 + sum(s["seconds"] for s in full["stages"]))
 
 
 def test_a_run_that_cannot_fit_this_machine_is_refused_before_work(capsys, tmp_path):

@@ -167,7 +167,8 @@ def _acceptance_from_scratch(model, prompts, k, new_tokens):
 @pytest.mark.parametrize("k", [1, 3])
 def test_acceptance_from_the_decode_state_equals_running_every_step_from_scratch(k):
     """The built-in model's trained head drafts well on text, so drafts are kept whole, in part and not at all:
-    every path of the cached verification runs."""
+    every path of the cached verification runs, with the drafts verified in one chunk and after the trunk's next
+    token alone (the form for a head whose first drafts mostly fail)."""
     from puzzlekit import ir
     from puzzlekit.tools.default_model import DEFAULT_MODEL
 
@@ -175,8 +176,10 @@ def test_acceptance_from_the_decode_state_equals_running_every_step_from_scratch
     text = b"def main(argv):\n    for name in sorted(argv):\n        print(name)\n    return 0\n\n\nclass Point:\n"
     ids = torch.tensor(list(text))
     prompts = torch.stack([ids[i:i + 16] for i in (0, 20, 40)])
-    got = evaluate.acceptance_length(model, prompts, k, 16)
-    assert 1.3 < got and got == pytest.approx(_acceptance_from_scratch(model, prompts, k, 16))
+    oracle = _acceptance_from_scratch(model, prompts, k, 16)
+    for decode_first in (None, False, True):
+        got = evaluate.acceptance_length(model, prompts, k, 16, decode_first=decode_first)
+        assert 1.3 < got and got == pytest.approx(oracle), decode_first
 
 
 def test_mtp_drafter_first_draft_is_the_heads_prediction(model, windows):

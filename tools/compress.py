@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import PuzzlekitError, UsageError
 from ..outputs import write_json, write_text
-from .compress_outputs import SWEPT, deploy_recipe, write_outputs
+from .compress_outputs import SWEPT, deploy_recipe, outputs_work, write_outputs
 from .puzzle import EXTENDED_HELP, add_constraint_arguments, constraints_of
 
 # the head-only stage has its own budget: at the trunk's lr=1e-3 the head drifts from its start within 10 steps
@@ -192,9 +192,8 @@ def _check_before_run(args, parent, passes: list, auto: list) -> bool:
     note_head_options(args, parent, {"head_steps": "--head-steps", "mtp_tolerance": "--mtp-tolerance"})
     if args.library:  # an existing library: no library stage to run
         passes = [p for p in passes if getattr(p, "pass_name", "") != "library"]
-    return check_before_run(args, passes, parent, announce=True, plan=True, chosen=auto,
-                            left_out="the outputs after the child is written (ONNX graphs, the engine bundle, "
-                                     "the report's evaluations)")
+    return check_before_run(args, passes, parent, announce=True, plan=True, chosen=auto, outputs=outputs_work(args),
+                            left_out="the engines' builds after the bundle, lm-eval tasks")
 
 
 def _text(args, parent):

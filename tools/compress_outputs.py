@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import time
 from pathlib import Path
 
+from ..eta import duration
 from ..outputs import write_json
 from .puzzle import constraints_of
 
@@ -15,6 +18,10 @@ REPORT_SEQ, PROMPT_LEN = 256, 64
 #: `quality`'s report-set windows, MTP prompts and tokens generated per prompt, with --quick and without (the
 #: MTP figure as in the full run: two prompts of 16 tokens are too few to tell 0.95x from 1.0x)
 REPORT_BUDGET = {True: (4, 8, 32), False: (16, 8, 32)}
+#: the report's windows run together
+REPORT_BATCH = 8
+#: the MTP head's drafts a verification step of the report's acceptance length
+DRAFTS = 3
 #: windows and tokens per window the engine bundle's FP8 KV-cache scales are calibrated on (as build-engine's)
 KV_CALIBRATION = (16, 128)
 #: the constraints in the order a budget sweep picks the one to scale
@@ -29,6 +36,19 @@ def deploy_recipe(target: str) -> str:
     return (t.trt or {}).get("recipe") or ("nvfp4" if t.supports("nvfp4") else "fp8" if t.supports("fp8") else "")
 
 
+def outputs_work(args):
+    """What `write_outputs` will do, for the estimate (estimate.Outputs)."""
+    from ..backends.cost import get_scenario
+    from ..backends.targets import get_target
+    from ..estimate import Outputs
+
+    n, prompts, new_tokens = REPORT_BUDGET[bool(args.quick)]
+    kind = get_target(args.target).kind
+    fp8_kv = kind == "gpu" and get_scenario(args.scenario, recipe=deploy_recipe(args.target) or None).kv_dtype == "fp8"
+    return Outputs(n, REPORT_SEQ + 1, prompts, PROMPT_LEN, new_tokens, DRAFTS, kind, fp8_kv, KV_CALIBRATION,
+                   REPORT_BATCH)
+
+
 def _done(out: Path, name: str) -> bool:
     return (out / "work" / f"{name}.done").exists()
 
@@ -39,51 +59,66 @@ def _mark(out: Path, name: str, info: dict) -> None:
 
 def write_outputs(prog, parent, args, out: Path, library: Path) -> dict:
     """The child checkpoint, plan.json (with the search's frontier and measured figures) and the bundle;
-    each skipped when an earlier run wrote it. Lines on stderr say how far it got (after the pipeline's
-    passes, a log would otherwise be silent for minutes)."""
+    each skipped when an earlier run wrote it. A line on stderr as each step starts and ends (the steps differ
+    by minutes: a count of them foretells nothing; the estimate printed at the start prices them)."""
     from .. import ir
-    from ..eta import LINES, Remaining
     from ..ir.nemotron_h_puzzle import Unpublishable
 
     names = ("model", "serving", "quality", *(("tasks",) if getattr(args, "tasks", None) else ()), "plan", "bundle")
-    left = Remaining("outputs", sum(not _done(out, n) for n in names), unit="step", progress=LINES)
-    done = {}
+    todo = [n for n in names if not _done(out, n)]
+    step = lambda name: _Step(name, todo.index(name) + 1, len(todo))
     if not _done(out, "model"):
-        try:
-            ir.save(prog, out / "model", overwrite=True)
-            form = "published nemotron_h_puzzle"
-        except Unpublishable as e:  # only with --engine none: noop / linear layers, Mamba layers that differ
-            if not args.extended:
-                raise
-            ir.save(prog, out / "model", overwrite=True, extended=True)
-            form = f"puzzlekit extended form ({str(e).split(';')[0].removeprefix('save: ')})"
-        _mark(out, "model", {"form": form})
-        left.done()
-    done["model"] = json.loads((out / "work" / "model.done").read_text())
+        with step("model"):
+            try:
+                ir.save(prog, out / "model", overwrite=True)
+                form = "published nemotron_h_puzzle"
+            except Unpublishable as e:  # only with --engine none: noop / linear layers, Mamba layers that differ
+                if not args.extended:
+                    raise
+                ir.save(prog, out / "model", overwrite=True, extended=True)
+                form = f"puzzlekit extended form ({str(e).split(';')[0].removeprefix('save: ')})"
+            _mark(out, "model", {"form": form})
     if not _done(out, "serving"):
-        _mark(out, "serving", serving(out / "model", prog.meta.get("plan") or {}))
-        left.done()
-    done["serving"] = json.loads((out / "work" / "serving.done").read_text())
+        with step("serving"):
+            _mark(out, "serving", serving(out / "model", prog.meta.get("plan") or {}))
     if not _done(out, "quality"):
-        _mark(out, "quality", quality(parent, prog, args))
-        left.done()
-    done["quality"] = json.loads((out / "work" / "quality.done").read_text())
-    if getattr(args, "tasks", None) and not _done(out, "tasks"):
-        _mark(out, "tasks", task_scores(parent, prog, args))
-        left.done()
+        with step("quality"):
+            _mark(out, "quality", quality(parent, prog, args))
+    if "tasks" in todo:
+        with step("tasks"):
+            _mark(out, "tasks", task_scores(parent, prog, args))
     if not _done(out, "plan"):
-        points = frontier(parent, args, library)
-        plan = {"plan": prog.meta.get("plan"), "frontier": points, "engine": engine_cost(parent, args, library, points),
-                "deployment": deployment(parent, prog, args)}
-        write_json(out / "plan.json", plan)
-        _mark(out, "plan", {})
-        left.done()
+        with step("plan"):
+            points = frontier(parent, args, library)
+            plan = {"plan": prog.meta.get("plan"), "frontier": points,
+                    "engine": engine_cost(parent, args, library, points), "deployment": deployment(parent, prog, args)}
+            write_json(out / "plan.json", plan)
+            _mark(out, "plan", {})
+    model = json.loads((out / "work" / "model.done").read_text())
     if not _done(out, "bundle"):
-        published = done["model"]["form"].startswith("published")  # what the engines load
-        _mark(out, "bundle", bundle(prog, args, out / "bundle", out / "model" if published else None))
-        left.done()
-    done["bundle"] = json.loads((out / "work" / "bundle.done").read_text())
-    return done
+        with step("bundle"):
+            published = model["form"].startswith("published")  # what the engines load
+            _mark(out, "bundle", bundle(prog, args, out / "bundle", out / "model" if published else None))
+    return {name: json.loads((out / "work" / f"{name}.done").read_text())
+            for name in ("model", "serving", "quality", "bundle")}
+
+
+class _Step:
+    """`outputs: NAME (k of n)` when a step starts and `... done in T` when it ends, on stderr."""
+
+    TITLES = {"model": "the child checkpoint", "serving": "the serving check", "quality": "the report's evaluations",
+              "tasks": "lm-eval tasks", "plan": "the frontier's searches", "bundle": "the deployment bundle"}
+
+    def __init__(self, name: str, k: int, n: int):
+        self.head = f"outputs: {self.TITLES[name]} ({k} of {n})"
+
+    def __enter__(self):
+        self.start = time.monotonic()
+        print(self.head, file=sys.stderr, flush=True)
+
+    def __exit__(self, kind, *_):
+        if kind is None:
+            print(f"{self.head} done in {duration(time.monotonic() - self.start)}", file=sys.stderr, flush=True)
 
 
 def task_scores(parent, child, args) -> dict:
@@ -125,13 +160,15 @@ def quality(parent, child, args) -> dict:
     starts = held_out_windows(corpus, "report", PROMPT_LEN, limit=prompts)
     compute = compute_of(args)
     models = {name: StreamedProgram(prog, compute) for name, prog in (("parent", parent), ("child", child))}
+    # each model run once over the windows, its final hidden states kept for both figures
+    runs = {name: m.record(windows, REPORT_BATCH, project=False) for name, m in models.items()}
     out = {"set": "report", "windows": [n, REPORT_SEQ + 1], "prompts": [prompts, PROMPT_LEN, new_tokens]}
-    for name, m in models.items():  # the parent against itself agrees exactly: not run twice more to say so
-        agreement = teacher_agreement(models["parent"], m, windows) if name == "child" else \
-            {"kl": 0.0, "top1_agreement": 1.0}
-        text = text_metrics(m, windows, corpus.token_bytes)
+    for name, m in models.items():  # the parent against itself agrees exactly: not scored to say so
+        agreement = teacher_agreement(runs["parent"], runs["child"], windows, REPORT_BATCH) if name == "child" \
+            else {"kl": 0.0, "top1_agreement": 1.0}
+        text = text_metrics(runs[name], windows, corpus.token_bytes, REPORT_BATCH)
         out[name] = {**agreement, "bits_per_byte": text["bits_per_byte"], "nll_per_token": text["nll_per_token"],
-                     "mtp_acceptance": acceptance_length(m, starts, 3, new_tokens) if m.program.find("mtp") else None}
+                     "mtp_acceptance": acceptance_length(m, starts, DRAFTS, new_tokens) if m.program.find("mtp") else None}
     return out
 
 

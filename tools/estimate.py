@@ -28,12 +28,13 @@ def library_passes(args) -> list:
 
 
 def check_before_run(args, passes: list, prog, writes: bool = True, announce: bool = False,
-                     left_out: str = "", plan: bool = False, chosen: list | None = None) -> bool:
+                     left_out: str = "", plan: bool = False, chosen: list | None = None, outputs=None) -> bool:
     """Sets on `passes` the settings `auto` chooses to fit (estimate.choose), printed with the estimate. With
     `--estimate`: prints the estimate (or its JSON) and returns True (the command stops). Otherwise refuses
     (exit 2) a run one of whose stages would not fit the memory it has, and returns False; `announce` (a long run:
     compress, library) prints the whole estimate on stderr first, once. `plan`: the stages after the search at the
-    child a weightless search picks (compress). `chosen` gets auto's choices keyed for `estimate.choose.apply`."""
+    child a weightless search picks (compress); `outputs` (estimate.Outputs) its work after the child is written.
+    `chosen` gets auto's choices keyed by pass (for the run's summary)."""
     from ..estimate import estimate, parse_hardware
     from ..memory import budget
     from .common import emit
@@ -48,7 +49,7 @@ def check_before_run(args, passes: list, prog, writes: bool = True, announce: bo
 
         use_threads(prog.param_counts()["total"], getattr(args, "threads", 0))
     run = lambda planned: estimate(passes, prog, hw, host, model, rates=None if timed else Untimed(hw),
-                                   writes=writes, left_out=left_out, plan=planned, auto=True)
+                                   writes=writes, left_out=left_out, plan=planned, auto=True, outputs=outputs)
     # the child is planned (a weightless search: seconds) for --estimate, and for a run that does not fit as it is
     est = run(plan and getattr(args, "estimate", False))
     if plan and not getattr(args, "estimate", False) and (est.chosen or not est.fits):
