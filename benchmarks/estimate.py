@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import counts  # noqa: E402
 import scale  # noqa: E402
 
-#: the distillation's state modes (distill's options), each a row beside the float32 AdamW one (`distill`)
-MODES = {"distill-bf16": "params=bf16,optimizer=adamw-bf16", "distill-8bit": "optimizer=adamw-8bit",
-         "distill-fp8-teacher": "teacher_dtype=fp8"}
+#: the distillation's state modes (distill's options, and the command's), each a row beside the float32 AdamW
+#: one (`distill`); bf16 parameters need a bf16 forward (--dtype bfloat16, the default on CUDA)
+MODES = {"distill-bf16": ("params=bf16,optimizer=adamw-bf16", ["--dtype", "bfloat16"]),
+         "distill-8bit": ("optimizer=adamw-8bit", []), "distill-fp8-teacher": ("teacher_dtype=fp8", [])}
 STAGES = ("library", "distill", *MODES, "quantize-fp8", "quantize-nvfp4", "mtp-check", "scale-library", "library-held")
 
 
@@ -95,9 +96,9 @@ def main() -> None:
     (work / "out").mkdir()
     cmds = counts.commands(ckpt, work / "out", data)
     cli = [sys.executable, "-m", "puzzlekit.tools"]
-    for name, options in MODES.items():  # counts.py's distill command with the mode's options
+    for name, (options, extra) in MODES.items():  # counts.py's distill command with the mode's options
         cmds[name] = [*cli, "run", str(ckpt), "-p", f"snapshot{{name=teacher}},distill{{steps=4,seq={counts.SEQ},"
-                      f"{options}}}", "-o", str(work / "out" / name), "--overwrite", "--data", str(data)]
+                      f"{options}}}", "-o", str(work / "out" / name), "--overwrite", "--data", str(data), *extra]
     if "scale-library" in a.stages:
         big = scale_checkpoint(work)
         grid = work / "scale-grid.toml"  # benchmarks/scale.py's library command

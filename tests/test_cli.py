@@ -67,16 +67,26 @@ def test_output_rules(tmp_path, capsys):
     assert ir.load(out).blocks("moe")[0].op.top_k == 1
 
 
-def test_exit_codes_and_messages(tmp_path):
-    code, _, err = cli("run", "-p", "verfy", "-o", str(tmp_path / "x"))
+def in_process(capsys, *args):
+    """(exit code, stdout, stderr) of the command run in this process (argparse's exits included)."""
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_exit_codes_and_messages(tmp_path, capsys):
+    code, _, err = cli("run", "-p", "verfy", "-o", str(tmp_path / "x"))  # the process's own exit code
     assert code == 2 and "did you mean verify" in err and "Traceback" not in err
-    code, _, err = cli("run", "-p", "drop-blocks{layers=[40]}", "-o", str(tmp_path / "x"))
+    code, _, err = in_process(capsys, "run", "-p", "drop-blocks{layers=[40]}", "-o", tmp_path / "x")
     assert code == 1 and "out of range" in err and "Traceback" not in err
-    code, _, err = cli("inspect", str(tmp_path / "missing"))
+    code, _, err = in_process(capsys, "inspect", tmp_path / "missing")
     assert code == 1 and "does not exist" in err and "Traceback" not in err
-    code, _, err = cli("run", "-p", "verify")
+    code, _, err = in_process(capsys, "run", "-p", "verify")
     assert code == 2 and "-o" in err
-    code, _, err = cli("run", "-p", "verify", "-o", str(tmp_path / "y"), "--plugin", "no_such_module_xyz")
+    code, _, err = in_process(capsys, "run", "-p", "verify", "-o", tmp_path / "y", "--plugin", "no_such_module_xyz")
     assert code == 2 and "cannot import plugin" in err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 

@@ -129,9 +129,18 @@ def test_an_upper_dt_clamp_is_applied_as_transformers_applies_it(subword, tmp_pa
 
 
 # -- compress end to end -------------------------------------------------------------------------------------
+#: the default grid with one Mamba variant besides the parent block's (a Mamba block's training is the run's cost)
+GRID = """[mamba2]\nheads = [1.0, 0.5]\n[moe]\nexperts = [1.0, 0.5]\ntop_k = [1.0, 0.5]\n[attention]
+q_heads = [1.0, 0.5]\nkv_heads = [1.0, 0.5]\n[mlp]\nd_ff = [1.0, 0.5, 0.25, 0.125]\n[replacements]
+kinds = ["noop", "linear"]\n"""
+
+
 def _compress(capsys, d, docs, out):
+    """compress --quick on a smaller grid (the run end to end is what is checked, not the grid)."""
+    (out.parent / "grid.toml").write_text(GRID)
     code, res, err = _cli(capsys, "compress", d, "--quick", "--target", "h100", "--scenario", "decode-heavy",
-                          "--speedup", "1.3", "--data", docs, "--steps", "4", "--head-steps", "4", "-o", out, "--json")
+                          "--speedup", "1.3", "--data", docs, "--steps", "4", "--head-steps", "4", "--grid", out.parent / "grid.toml",
+                          "-o", out, "--json")
     assert code == 0, err[-3000:]
     return json.loads(res)
 

@@ -126,9 +126,8 @@ def _pinned_cost_table(args, out: Path):
 
 def compress(args, progress: bool = True) -> dict:
     """Runs every stage that has not finished; returns the summary (also OUT/work/summary.json)."""
+    from .common import check_outputs, check_prices, compute_of
     from .default_model import model_path
-
-    from .common import check_prices, compute_of
 
     compute_of(args)  # before any work: a device this machine lacks is a usage error
     check_prices(args.target, args.prices)  # and prices the target cannot take (as `cost` refuses them)
@@ -137,8 +136,6 @@ def compress(args, progress: bool = True) -> dict:
         from .tasks import check_task_options, load_tasks, task_names
 
         check_task_options(load_tasks(task_names(args.tasks), args.include_path), args.num_fewshot)
-        from .common import check_outputs
-
         check_outputs(args)  # the tasks' data files are inputs too
     if args.engine == "none" and not args.extended:
         raise UsageError("--engine none lets the search choose what no serving engine loads (noop or linear blocks, "
