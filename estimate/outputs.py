@@ -30,8 +30,8 @@ REPORT_PAGE_SECONDS = 6.0
 
 @dataclass(frozen=True)
 class Outputs:
-    """The work after the child is written: `windows` report windows of `seq` tokens (scored twice per model: the
-    agreement with the parent and the text figures), `prompts` MTP prompts of `prompt_len` tokens decoding
+    """The work after the child is written: `windows` report windows of `seq` tokens (each model run once over
+    them, its logits built twice: the agreement with the parent and the text figures), `prompts` MTP prompts of `prompt_len` tokens decoding
     `new_tokens` with `drafts` drafts where the model has a head, the frontier's searches, and the bundle for
     `target_kind` ("cpu": ONNX graphs; "gpu": the engine bundle, `fp8_kv` with its KV cache calibrated over
     `calibration` windows x tokens)."""
@@ -84,4 +84,3 @@ def _speculative(ctx: Context, work: Outputs) -> float:
     steps = work.new_tokens / ACCEPTANCE_GUESS
     return ctx.forward(1, work.prompt_len) + steps * (ctx.forward(1, work.drafts + 1)
                                                       + work.drafts * ctx.rates.forward(ctx.mtp(), 1, 1))
-
