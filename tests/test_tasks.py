@@ -34,7 +34,7 @@ def tasks_dir(local_tasks):
 
 @functools.lru_cache(maxsize=1)
 def _manager(tasks_dir) -> TaskManager:
-    return TaskManager(include_path=str(tasks_dir))  # it indexes every task lm-eval ships: once
+    return TaskManager(include_path=str(tasks_dir), include_defaults=False)  # the folder's tasks alone
 
 
 def _run(model, model_args, tasks_dir, tasks=("pk_mc", "pk_ppl", "pk_gen"), batch_size=4):

@@ -33,10 +33,11 @@ def task_names(text: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=4)
-def _manager(include_path: tuple[str, ...]):
-    """lm-eval's task index (it reads every task YAML it ships: seconds), made once per set of folders."""
+def _manager(include_path: tuple[str, ...], shipped: bool = True):
+    """lm-eval's task index, made once per set of folders: with `shipped`, of every task YAML lm-eval ships too
+    (seconds to read), else of the folders' alone (what a run on the user's own tasks needs)."""
     _, TaskManager, _ = _lm_eval()
-    return TaskManager(include_path=list(include_path) or None)
+    return TaskManager(include_path=list(include_path) or None, include_defaults=shipped)
 
 
 def _unreadable_yamls(include_path) -> list[str]:
@@ -67,7 +68,10 @@ def load_tasks(names: list[str], include_path=None) -> dict:
     for folder in include_path or ():
         if not Path(folder).is_dir():
             raise UsageError(f"--include-path {folder}: no such folder (it should hold your task YAML files)")
-    manager = _manager(tuple(str(p) for p in include_path or ()))
+    folders = tuple(str(p) for p in include_path or ())
+    manager = _manager(folders, shipped=not folders)
+    if not set(names) <= set(manager.all_tasks):  # a shipped task among them: the whole index
+        manager = _manager(folders)
     known = set(manager.all_tasks)
     out = {}
     for name in names:
@@ -80,7 +84,12 @@ def load_tasks(names: list[str], include_path=None) -> dict:
             raise UsageError(f"--tasks: unknown task {name!r}; lm-eval knows {len(known):,} (lm_eval ls tasks), and "
                              "a task of your own is a YAML file in a folder passed with --include-path")
         try:
-            out.update(get_task_dict([name], manager))
+            try:
+                out.update(get_task_dict([name], manager))
+            except Exception:  # a group of the folders' that names a shipped task: again with the whole index
+                if manager is _manager(folders):
+                    raise
+                out.update(get_task_dict([name], _manager(folders)))
         except Exception as e:  # datasets raises ConnectionError, FileNotFoundError, DatasetNotFoundError, ...
             first = str(e).splitlines()[0] if str(e) else ""
             raise UsageError(f"task {name}: its data could not be loaded ({type(e).__name__}: {first[:200]}); on a "
