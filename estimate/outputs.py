@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .stages import ACCEPTANCE_GUESS, SEARCH_SECONDS, Context, Stage, _batches
+from .stages import ACCEPTANCE_GUESS, SEARCH_SECONDS, Context, Stage, _batches, speculative
 
 #: the frontier's searches: one search priced once and planned at 5 budgets x 3 methods, and the engine-free
 #: search of the engine profile's cost (Super's config on 8xB200: 11.1 s + 1.8 s against a 10.7 s plan)
@@ -31,10 +31,10 @@ REPORT_PAGE_SECONDS = 6.0
 @dataclass(frozen=True)
 class Outputs:
     """The work after the child is written: `windows` report windows of `seq` tokens (each model run once over
-    them, its logits built twice: the agreement with the parent and the text figures), `prompts` MTP prompts of `prompt_len` tokens decoding
-    `new_tokens` with `drafts` drafts where the model has a head, the frontier's searches, and the bundle for
-    `target_kind` ("cpu": ONNX graphs; "gpu": the engine bundle, `fp8_kv` with its KV cache calibrated over
-    `calibration` windows x tokens)."""
+    them, its logits built twice: the agreement with the parent and the text figures), `prompts` MTP prompts of
+    `prompt_len` tokens decoding `new_tokens` with `drafts` drafts where the model has a head, the frontier's
+    searches, and the bundle for `target_kind` ("cpu": ONNX graphs; "gpu": the engine bundle, `fp8_kv` with its
+    KV cache calibrated over `calibration` windows x tokens)."""
 
     windows: int
     seq: int
@@ -58,7 +58,8 @@ def outputs(parent: Context, child: Context, work: Outputs) -> Stage:
         once = ctx.forward(rows, work.seq) + 2 * ctx.rates.forward(ctx.head(), rows, work.seq)
         quality += _batches(work.windows, work.batch) * once
         if ctx.mtp():
-            quality += work.prompts * _speculative(ctx, work)
+            quality += work.prompts * speculative(ctx, work.prompt_len, work.new_tokens, work.drafts,
+                                                  ACCEPTANCE_GUESS)
     quality += 2 * parent.reads(weights)  # the windows' pass and the prompts' (as the MTP check's)
     search = FRONTIER_SEARCHES * (SEARCH_SECONDS[0] + SEARCH_SECONDS[1] * len(parent.blocks()))
     layers = len(child.blocks()) + (len(child.mtp().blocks) if child.mtp() else 0)
@@ -77,10 +78,3 @@ def outputs(parent: Context, child: Context, work: Outputs) -> Stage:
     return child.stage("outputs", parent.streamed(weights), quality + search + bundle, ["a smaller --max-memory"],
                        notes, host=export, alone=True)  # the export runs on the host
 
-
-def _speculative(ctx: Context, work: Outputs) -> float:
-    """One prompt of the report's MTP acceptance: read once, then verification steps of drafts + 1 tokens, each
-    with its drafts from the head."""
-    steps = work.new_tokens / ACCEPTANCE_GUESS
-    return ctx.forward(1, work.prompt_len) + steps * (ctx.forward(1, work.drafts + 1)
-                                                      + work.drafts * ctx.rates.forward(ctx.mtp(), 1, 1))

@@ -339,10 +339,18 @@ def mtp_check(ctx: Context, p) -> Stage:
     acceptance = (ctx.prog.meta.get("provenance", {}).get("mtp_acceptance", {}) or {}).get("length") \
         or ACCEPTANCE_GUESS
     steps = p.new_tokens / acceptance
-    one = ctx.forward(1, p.prompt_len) + steps * (2 * ctx.forward(1, p.drafts + 1)
-                                                 + p.drafts * ctx.rates.forward(ctx.mtp(), 1, 1))
+    one = speculative(ctx, p.prompt_len, p.new_tokens, p.drafts, acceptance, verifiers=2)
     return ctx.stage("mtp-check", ctx.streamed(2 * weights), 2 * p.prompts * one + 2 * ctx.reads(2 * weights),
                      notes=[f"{steps:.0f} verification steps per prompt (acceptance {acceptance:g} tokens per step)"])
+
+
+def speculative(ctx: Context, prompt_len: int, new_tokens: int, drafts: int, acceptance: float,
+                verifiers: int = 1) -> float:
+    """One prompt of speculative decoding: read once, then `new_tokens / acceptance` steps, each drafting with the
+    head and verifying drafts + 1 tokens (`verifiers` models: the MTP check verifies with the teacher too)."""
+    steps = new_tokens / acceptance
+    return ctx.forward(1, prompt_len) + steps * (verifiers * ctx.forward(1, drafts + 1)
+                                                 + drafts * ctx.rates.forward(ctx.mtp(), 1, 1))
 
 
 # -- quantisation ----------------------------------------------------------------------------------------------------

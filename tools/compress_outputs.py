@@ -168,7 +168,8 @@ def quality(parent, child, args) -> dict:
             else {"kl": 0.0, "top1_agreement": 1.0}
         text = text_metrics(runs[name], windows, corpus.token_bytes, REPORT_BATCH)
         out[name] = {**agreement, "bits_per_byte": text["bits_per_byte"], "nll_per_token": text["nll_per_token"],
-                     "mtp_acceptance": acceptance_length(m, starts, DRAFTS, new_tokens) if m.program.find("mtp") else None}
+                     "mtp_acceptance": acceptance_length(m, starts, DRAFTS, new_tokens) if m.program.find("mtp")
+                     else None}
     return out
 
 
