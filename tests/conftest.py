@@ -180,6 +180,29 @@ def quantized_with():
     return _quantized_with
 
 
+@pytest.fixture(scope="session")
+def default_bundle(tmp_path_factory):
+    """The built-in model's rtx-sm120 bundle (FP32 graphs, engines built where TensorRT-RTX is installed), written
+    once: the ONNX tests read its graphs and the TensorRT tests its files, so the model is exported once.
+    (program, directory, report, the modules traced, the graphs stitched)."""
+    import puzzlekit.backends.onnx.export as export
+    from puzzlekit.backends.cost import get_scenario
+    from puzzlekit.backends.targets import TARGETS
+    from puzzlekit.backends.tensorrt import write_bundle
+    from puzzlekit.tools.default_model import DEFAULT_MODEL, load_default
+
+    traced, stitched = [], []
+    real_export, real_optimize = export._export, export._optimize
+    out, prog = tmp_path_factory.mktemp("bundle") / "rtx-sm120", load_default()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(export, "_export", lambda module, *a: traced.append(module) or real_export(module, *a))
+        mp.setattr(export, "_optimize", lambda model: stitched.append(model) or real_optimize(model))
+        # short prompts: one prefill profile, so that the real build in the default suite stays quick
+        report = write_bundle(prog, out, TARGETS["rtx-sm120"], get_scenario("chat", input_len=256, output_len=256),
+                              build="auto", checkpoint=DEFAULT_MODEL)  # and the commands serving it (test_serving.py)
+    return prog, out, report, traced, stitched
+
+
 SMALL_GRID = """
 [mamba2]
 heads = [0.5]

@@ -34,26 +34,12 @@ def repeated_program():
     return random_weights(prog, seed=3, std=0.2)
 
 
-#: every-kind is a subset of repeated (which adds a tied head): under slow
-@pytest.fixture(scope="module")
-def default_export(tmp_path_factory):
-    """The built-in model exported once: (program, directory, report, the modules traced, the graphs stitched)."""
-    import puzzlekit.backends.onnx.export as export
-
-    traced, stitched = [], []
-    real_export, real_optimize = export._export, export._optimize
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(export, "_export", lambda module, *a: traced.append(module) or real_export(module, *a))
-        mp.setattr(export, "_optimize", lambda model: stitched.append(model) or real_optimize(model))
-        prog, out = load_default(), tmp_path_factory.mktemp("onnx") / "default"
-        report = export_onnx(prog, out, target="cpu")
-    return prog, out, report, traced, stitched
-
-
+#: every-kind is a subset of repeated (which adds a tied head): under slow; the built-in model's graphs are those of
+#: its bundle (tests/conftest.py: one export for the ONNX and TensorRT tests)
 @pytest.fixture(scope="module", params=["default", pytest.param("every-kind", marks=pytest.mark.slow), "repeated"])
 def exported(request, tmp_path_factory):
     if request.param == "default":
-        return request.getfixturevalue("default_export")[:3]
+        return request.getfixturevalue("default_bundle")[:3]
     prog = {"every-kind": every_kind_program, "repeated": repeated_program}[request.param]()
     out = tmp_path_factory.mktemp("onnx") / request.param
     report = export_onnx(prog, out, target="cpu")
@@ -292,11 +278,11 @@ def test_the_export_optimizer_work_grows_linearly_with_the_graph(monkeypatch):
     assert seen[1] < 2.5 * seen[0], seen
 
 
-def test_each_distinct_layer_is_traced_once_and_the_graph_stitched_from_copies(default_export):
+def test_each_distinct_layer_is_traced_once_and_the_graph_stitched_from_copies(default_bundle):
     """Layers with the same spec make the same graph: the default model's 12 layers (5 Mamba, 5 MoE, 2 attention,
     1 MLP of 4 specs) are traced as 4, besides the embedding, norm, head and MTP head; each copy keeps its own
     weights under the names a whole-program export gives them, and the graphs compute what torch does."""
-    prog, _, _, traced, stitched = default_export
+    prog, _, _, traced, stitched = default_bundle
     assert [len(m.reps) for m in traced] == [8, 8], [type(m).__name__ for m in traced]
     weights = materialize(prog).state_dict()
     for model in stitched:

@@ -168,7 +168,7 @@ def served_bundle(tmp_path_factory):
     return out, rep, DEFAULT_MODEL
 
 
-@pytest.mark.slow  # an ONNX export of the built-in model (a minute on 2 cores); test_tensorrt.py's bundle has the files
+@pytest.mark.slow  # an ONNX export of the built-in model (a minute on 2 cores); the default_bundle fixture (tests/conftest.py) has the files
 def test_write_bundle_carries_serve_sh_yaml_and_readme(served_bundle):
     out, rep, model = served_bundle
     spec = json.loads((out / "build.json").read_text())

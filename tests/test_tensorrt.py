@@ -26,7 +26,7 @@ from puzzlekit.ir.ops import MLP, Attention, Embed, LMHead, Mamba2, MoE, Norm
 from puzzlekit.ir.quant.formats import nvfp4_qdq
 from puzzlekit.passes import PassManager
 from puzzlekit.tools.cli import main
-from puzzlekit.tools.default_model import DEFAULT_MODEL, load_default
+from puzzlekit.tools.default_model import load_default
 
 HAVE_RTX = importlib.util.find_spec("tensorrt_rtx_bindings") is not None
 needs_rtx = pytest.mark.skipif(not HAVE_RTX, reason="TensorRT-RTX is not installed, so no engine is built: "
@@ -170,12 +170,9 @@ def test_fp8_kv_cache_bundle_matches_torch_with_a_quantized_cache(tmp_path):
 
 # -- a bundle of the built-in model (fp32) ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def fp32_bundle(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bundle") / "rtx-sm120"
-    # short prompts: one prefill profile, so that the real build in the default suite stays quick
-    rep = write_bundle(load_default(), out, TARGETS["rtx-sm120"], get_scenario("chat", input_len=256, output_len=256),
-                       build="auto", checkpoint=DEFAULT_MODEL)  # and the commands serving it (test_serving.py)
-    return out, rep
+def fp32_bundle(default_bundle):
+    """The built-in model's rtx-sm120 bundle (tests/conftest.py): (directory, report)."""
+    return default_bundle[1], default_bundle[2]
 
 
 def test_build_json_profiles_match_the_graphs(fp32_bundle):
