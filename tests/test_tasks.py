@@ -121,8 +121,37 @@ def test_eval_tasks_prints_the_table_and_json(subword, tasks_dir, capsys):
     assert "pk_mc" in text and "acc" in text and "± stderr" in text
 
 
-def test_an_unknown_task_is_named_with_the_fix(tasks_dir):
-    assert main(["eval", "--tasks", "no_such_task_anywhere", "--include-path", str(tasks_dir)]) == 2
+def test_an_unknown_task_is_named_with_the_fix_without_reading_every_shipped_task(tasks_dir, monkeypatch, capsys):
+    """A name in no file lm-eval ships is refused before its whole index is built (5-10 s)."""
+    from puzzlekit.tools import tasks
+
+    made, real = [], tasks._manager
+
+    def spy(folders, shipped=True):
+        made.append(shipped)
+        return real(folders, shipped)
+
+    monkeypatch.setattr(tasks, "_manager", spy)
+    for args in (["--include-path", str(tasks_dir)], []):
+        assert main(["eval", "--tasks", "no_such_task_anywhere", *args]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "'no_such_task_anywhere'" in line and "lm_eval ls tasks" in line and "--include-path" in line
+    assert True not in made
+
+
+@pytest.mark.parametrize("where, key, name", [
+    ("hellaswag/hellaswag.yaml", "task", "hellaswag"), ("arc/arc_easy.yaml", "task", "arc_easy"),
+    ("mmlu/default/_mmlu.yaml", "group", "mmlu"),
+    ("tydiqa/_tydiqa_goldp_common_yaml", "tag", "tydiqa_goldp")])  # a tag in an included file not named *.yaml
+def test_the_text_scan_keeps_every_shipped_name(where, key, name):
+    """Oracle: the name is that key's value in lm-eval's own file (its index takes seconds); a part of a name is
+    none."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+    from puzzlekit.tools.tasks import _maybe_shipped
+
+    assert load_yaml(Path(lm_eval.__file__).parent / "tasks" / where, resolve_func=False, recursive=False)[key] == name
+    assert _maybe_shipped(name)
+    assert not any(map(_maybe_shipped, ("ellaswag", "hellaswa", "arc_eas", "no_such_task_anywhere")))
 
 
 @pytest.mark.slow  # a fresh interpreter indexes every lm-eval task: 15 s

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import re
 from pathlib import Path
 
 from ..errors import UsageError
@@ -40,6 +42,41 @@ def _manager(include_path: tuple[str, ...], shipped: bool = True):
     return TaskManager(include_path=list(include_path) or None, include_defaults=shipped)
 
 
+@functools.lru_cache(maxsize=1)
+def _shipped_text() -> bytes:
+    """The text of every file in lm-eval's task folder, read once (under a second; its index parses them: 5-10 s). Not
+    its *.yaml alone: they `include:` files of any name (`_default_template_yaml`), whose `tag:`s are names too."""
+    lm_eval, _, _ = _lm_eval()
+    parts = []
+    for folder, dirs, files in os.walk(Path(lm_eval.__file__).parent / "tasks"):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        parts += [(Path(folder) / f).read_bytes() for f in sorted(files)]
+    return b"\n".join(parts)
+
+
+def _maybe_shipped(name: str) -> bool:
+    """Whether `name` occurs as a word in that text: lm-eval's names are its YAMLs' `task:`, `group:` and `tag:`
+    values, so a name found nowhere there is no shipped task (a found one may still not be: the index says)."""
+    text, word = _shipped_text(), re.compile(rb"[A-Za-z0-9_]")
+    for m in re.finditer(re.escape(name.encode()), text):
+        if not (m.start() and word.match(text, m.start() - 1)) and not word.match(text, m.end()):
+            return True
+    return False
+
+
+def _unknown(name: str, include_path, known: int | None = None) -> UsageError:
+    """The refusal of a task name no index holds: a task YAML of --include-path that lm-eval could not read
+    (it skips them without a word), else where the names and a task of one's own are."""
+    bad = _unreadable_yamls(include_path)
+    if bad:
+        return UsageError(f"--tasks: unknown task {name!r}, and lm-eval could not read "
+                          f"{'a task YAML' if len(bad) == 1 else f'{len(bad)} task YAMLs'} in --include-path: "
+                          f"{bad[0]}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
+    ships = f"lm-eval knows {known:,}" if known is not None else "no task lm-eval ships has that name"
+    return UsageError(f"--tasks: unknown task {name!r}; {ships} (lm_eval ls tasks), and a task of your own is a "
+                      "YAML file in a folder passed with --include-path")
+
+
 def _unreadable_yamls(include_path) -> list[str]:
     """'FILE: why' for each task YAML under the --include-path folders that lm-eval cannot read (it skips them
     without a word, so their tasks would be `unknown`)."""
@@ -69,20 +106,18 @@ def load_tasks(names: list[str], include_path=None) -> dict:
         if not Path(folder).is_dir():
             raise UsageError(f"--include-path {folder}: no such folder (it should hold your task YAML files)")
     folders = tuple(str(p) for p in include_path or ())
-    manager = _manager(folders, shipped=not folders)
-    if not set(names) <= set(manager.all_tasks):  # a shipped task among them: the whole index
+    manager = _manager(folders, shipped=False) if folders else None
+    missing = [n for n in names if manager is None or n not in manager.all_tasks]
+    for name in missing:  # a name in no file lm-eval ships is refused before its whole index is read
+        if not _maybe_shipped(name):
+            raise _unknown(name, include_path)
+    if missing:  # a shipped task among them: the whole index
         manager = _manager(folders)
     known = set(manager.all_tasks)
     out = {}
     for name in names:
         if name not in known:
-            bad = _unreadable_yamls(include_path)
-            if bad:
-                raise UsageError(f"--tasks: unknown task {name!r}, and lm-eval could not read "
-                                 f"{'a task YAML' if len(bad) == 1 else f'{len(bad)} task YAMLs'} in --include-path: "
-                                 f"{bad[0]}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
-            raise UsageError(f"--tasks: unknown task {name!r}; lm-eval knows {len(known):,} (lm_eval ls tasks), and "
-                             "a task of your own is a YAML file in a folder passed with --include-path")
+            raise _unknown(name, include_path, len(known))
         try:
             try:
                 out.update(get_task_dict([name], manager))
