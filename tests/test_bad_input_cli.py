@@ -1,5 +1,6 @@
 """Bad input to the `puzzlekit` command: a clear message naming the problem, exit code 1 or 2, no traceback,
-and input files left as they were. Most cases call `main()` in-process; a few run the real process."""
+and input files left as they were. Most cases call `main()` in-process; the real process runs where the process
+itself is what is checked: argparse's exit, a plugin exiting at import, a plugin from PYTHONPATH whose pass fails."""
 import hashlib
 import json
 import math
@@ -275,11 +276,11 @@ def test_bad_target_files(capsys, tmp_path, suffix, text, words):
     assert sha(f) == before
 
 
-def test_target_file_not_utf8_in_a_real_process(tmp_path):
+def test_target_file_not_utf8(capsys, tmp_path):
     f = tmp_path / "latin1.toml"
     f.write_bytes(('name = "caf\xe9"\n' + GOOD.split("\n", 1)[1] + PEAKS).encode("latin-1"))
     before = sha(f)
-    code, err = cli("cost", "--target", f)
+    code, err = run(capsys, "cost", "--target", f)
     assert code == 1 and "not UTF-8" in err and "latin1.toml" in err
     assert sha(f) == before
 
@@ -350,9 +351,9 @@ def test_a_pinned_cost_table_that_is_not_one_is_refused_not_timed_anew(capsys, t
 
 
 # -- 6. non-finite results -----------------------------------------------------------------------------------------
-def test_generate_with_nan_weights_in_a_real_process(nan_model):
+def test_generate_with_nan_weights(capsys, nan_model):
     before = sha(nan_model)
-    code, err = cli("generate", nan_model, "--prompt", "def ", "--max-new-tokens", "3")
+    code, err = run(capsys, "generate", nan_model, "--prompt", "def ", "--max-new-tokens", "3")
     assert code == 1 and "NaN/inf logits at prefill" in err and "backbone.layers.0.mixer.A_log" in err
     assert "inspect --check-finite" in err and sha(nan_model) == before
 

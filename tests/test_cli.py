@@ -100,9 +100,12 @@ def test_passes_listing(capsys):
     assert rows["snapshot"]["options"][0]["default"] == "teacher"
 
 
-def test_docs_plugin_example_runs(tmp_path):
+def test_docs_plugin_example_runs(tmp_path, capsys, monkeypatch):
     """The plugin example of docs/ir-and-passes.md is at most 20 lines and works through --plugin and the Python
-    API."""
+    API. A real process loads it from PYTHONPATH; the other ways of naming it run in this process, each with the
+    pass registry and modules put back as they were (a second import under another module name is refused)."""
+    from puzzlekit.passes.core import PASSES
+
     text = (ROOT / "docs" / "ir-and-passes.md").read_text()
     code = re.search(r"<!-- plugin-example -->\n```python\n(.*?)```", text, re.S).group(1)
     assert len(code.strip().splitlines()) <= 20
@@ -113,23 +116,31 @@ def test_docs_plugin_example_runs(tmp_path):
     assert rc == 0, err
     assert json.loads(stdout)["pipeline"] == "cap-topk{k=1}"
     assert all(n.op.top_k == 1 for n in ir.load(out).blocks("moe"))
-    rc, stdout, _ = cli("passes", "--plugin", "my_passes", env={"PYTHONPATH": str(tmp_path)})
-    assert "cap-topk{k: int = 8}" in stdout
-    rc, stdout, _ = cli("passes", "--plugin", str(tmp_path / "my_passes.py"))  # a path to the file works too
-    assert rc == 0 and "cap-topk{k: int = 8}" in stdout
-    rc, _, err = cli("passes", "--plugin", str(tmp_path / "missing.py"))
-    assert rc == 2 and "no such file" in err
-    # the Python API, with the same module
-    sys.path.insert(0, str(tmp_path))
+
+    def unloaded():
+        PASSES.pop("cap-topk", None)
+        for name in ("my_passes", "puzzlekit_plugin_my_passes"):
+            sys.modules.pop(name, None)
+
+    assert "cap-topk" not in PASSES
     try:
+        monkeypatch.syspath_prepend(str(tmp_path))
+        rc, stdout, _ = in_process(capsys, "passes", "--plugin", "my_passes")
+        assert rc == 0 and "cap-topk{k: int = 8}" in stdout
+        # the Python API, with the same module
         import my_passes  # noqa: F401
         from puzzlekit.passes import PassManager
         from puzzlekit.tools.default_model import load_default
         prog = load_default()
         PassManager("cap-topk{k=1}").run(prog)
         assert all(n.op.top_k == 1 for n in prog.blocks("moe"))
+        unloaded()
+        rc, stdout, _ = in_process(capsys, "passes", "--plugin", tmp_path / "my_passes.py")  # a path works too
+        assert rc == 0 and "cap-topk{k: int = 8}" in stdout
+        rc, _, err = in_process(capsys, "passes", "--plugin", tmp_path / "missing.py")
+        assert rc == 2 and "no such file" in err
     finally:
-        sys.path.remove(str(tmp_path))
+        unloaded()
 
 
 def test_cost_json_has_the_documented_keys(capsys):

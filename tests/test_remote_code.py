@@ -186,10 +186,12 @@ with torch.no_grad():
 
 
 def test_code_runs_where_puzzlekit_cannot_be_imported(children, tmp_path):
+    """In a fresh process (one thread: a 2 x 21-token forward gains nothing from more, and on a busy machine
+    threads that wait on each other cost seconds)."""
     prog, d = children["fp8"]
     out = tmp_path / "out.pt"
     r = subprocess.run([sys.executable, "-c", _FRESH, str(d), str(out)], capture_output=True, text=True,
-                       env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                       env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
                             "HF_MODULES_CACHE": str(tmp_path / "modules")}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = torch.load(out)
