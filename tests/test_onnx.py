@@ -207,6 +207,28 @@ def test_program_without_decode_state_exports(tmp_path):
     assert np.array_equal(got, seq.numpy())
 
 
+def test_torchlib_is_read_once_a_process_and_each_export_registers_its_ops_in_a_copy(tmp_path, monkeypatch):
+    """torch.onnx reads onnxscript's torchlib on every export; two exports read it once, write the same graphs,
+    and leave the registry read free of the ops an export registers (the NVFP4 quantizer)."""
+    import puzzlekit.backends.onnx.export as export
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+    real, reads = ONNXRegistry.__dict__["from_torchlib"], []
+    monkeypatch.setattr(export, "_REGISTRIES", {})
+    monkeypatch.setattr(ONNXRegistry, "from_torchlib",
+                        classmethod(lambda cls, **kw: reads.append(kw) or real.__func__(cls, **kw)))
+    prog = random_weights(ir.assemble(Embed(64, 32), [MLP(32, 48)], Norm(32), LMHead(64, 32), meta={"dtype": "float32"}),
+                          seed=1, std=0.3)
+    for name in ("a", "b"):
+        export_onnx(prog, tmp_path / name)
+    assert len(reads) == 1 and len(export._REGISTRIES) == 1
+    assert ONNXRegistry.__dict__["from_torchlib"].__func__.__name__ == "<lambda>"  # put back after each export
+    read = next(iter(export._REGISTRIES.values()))
+    assert read.functions and not any(m.is_custom for v in read.functions.values() for m in v)
+    for name in (PREFILL, DECODE, PREFILL + ".data", DECODE + ".data"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
 def test_generate_with_onnx_refuses_an_fp4_model_before_exporting(tmp_path, capsys):
     from puzzlekit.tools.cli import main
 

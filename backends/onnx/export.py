@@ -101,7 +101,7 @@ def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, 
     from .trt_ops import nvfp4_qdq_op, onnxscript_lowering, type_outputs
 
     qdq = nvfp4_qdq_op()
-    with _quiet(), nvfp4_activations_as(qdq), _uncached_fake_tensors():
+    with _quiet(), nvfp4_activations_as(qdq), _uncached_fake_tensors(), _torchlib_read_once():
         try:
             program = torch.onnx.export(module, args, input_names=input_names, output_names=output_names,
                                         dynamic_shapes=dynamic, dynamo=True, opset_version=opset, verbose=False,
@@ -112,6 +112,43 @@ def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, 
     model = program.model_proto
     type_outputs(model)
     return model
+
+
+#: opset -> torch.onnx's op registry as read from onnxscript's torchlib (see _torchlib_read_once)
+_REGISTRIES: dict = {}
+
+
+@contextmanager
+def _torchlib_read_once():
+    """torch.onnx reads onnxscript's torchlib into a fresh op registry on every export (~0.4 s; two an export, two
+    more a bundle); it reads the same each time. Read it once per opset and process, and give each export a copy of
+    its own (an export registers its custom ops, such as the NVFP4 quantizer, in its copy)."""
+    try:
+        from torch.onnx._internal.exporter._registration import ONNXRegistry
+    except ImportError:  # another exporter layout: read each time
+        yield
+        return
+    real = ONNXRegistry.__dict__.get("from_torchlib")
+    if not isinstance(real, classmethod):
+        yield
+        return
+
+    def from_torchlib(cls, opset_version=None, **kwargs):
+        key = (cls, opset_version, tuple(sorted(kwargs.items())))
+        if key not in _REGISTRIES:
+            args = {} if opset_version is None else {"opset_version": opset_version}
+            _REGISTRIES[key] = real.__func__(cls, **args, **kwargs)
+        read = _REGISTRIES[key]
+        copy = cls.__new__(cls)
+        copy.__dict__.update(read.__dict__)
+        copy.functions = {k: list(v) for k, v in read.functions.items()}
+        return copy
+
+    ONNXRegistry.from_torchlib = classmethod(from_torchlib)
+    try:
+        yield
+    finally:
+        ONNXRegistry.from_torchlib = real
 
 
 @contextmanager
