@@ -181,12 +181,13 @@ def test_far_too_many_threads_are_clamped_not_a_crash():
     assert "--threads 100000: this process may use" in p.stderr and "bits_per_byte" in p.stdout
 
 
-def test_commands_set_the_threads_they_choose():
-    """The built-in model gets one thread; --threads overrides."""
+def test_commands_set_the_threads_they_choose(monkeypatch, capsys):
+    """The built-in model gets one thread; --threads overrides (the first call is the command's, the last puts
+    this process's count back)."""
+    real, calls = torch.set_num_threads, []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n) or real(n))
+    before = torch.get_num_threads()
     for argv, want in ((["inspect", "--json"], 1), (["cost", "--target", "h100", "--threads", "2", "--json"], 2)):
-        code = ("import sys, torch; calls = []; set_threads = torch.set_num_threads\n"
-                "torch.set_num_threads = lambda n: calls.append(n) or set_threads(n)\n"
-                f"from puzzlekit.tools.cli import main; rc = main({argv!r})\n"
-                "sys.stderr.write(f'threads {calls[0]} rc {rc}')")  # the first is the command's, the last restores
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        assert p.stderr.strip().endswith(f"threads {want} rc 0"), p.stderr
+        calls.clear()
+        assert main(argv) == 0, capsys.readouterr().err
+        assert calls[0] == want and calls[-1] == before == torch.get_num_threads(), calls

@@ -138,8 +138,14 @@ def test_fsdp_divides_the_state_by_the_processes():
         assert d["fsdp"][part] == pytest.approx(d["ddp"][part] / 16 + gathered, rel=1e-12)
 
 
-def test_one_h100_says_what_cannot_fit_and_the_run_is_refused(capsys, tmp_path, subword):
-    """(Super's config with a tokenizer whose ids fit its vocabulary: the run is refused for its memory alone.)"""
+def test_one_h100_says_what_cannot_fit_and_the_run_is_refused(capsys, tmp_path, subword, monkeypatch):
+    """(Super's config with a tokenizer whose ids fit its vocabulary: the run is refused for its memory alone.) The
+    check before the run plans the child the --estimate before it planned: searched once."""
+    from puzzlekit.estimate import child
+
+    searched = []
+    monkeypatch.setattr(child, "_PLANNED", {})
+    monkeypatch.setattr(child, "meta_copy", lambda prog, real=child.meta_copy: searched.append(1) or real(prog))
     args = ["compress", SUPER, "--hardware", "h100:1", "--target", "8xb200", "--speedup", "2", "-o", tmp_path / "r",
             "--tokenizer", subword.tokenizer_dir]
     code, out, _ = cli(capsys, *args, "--estimate", "--json")
@@ -149,7 +155,7 @@ def test_one_h100_says_what_cannot_fit_and_the_run_is_refused(capsys, tmp_path, 
     assert any("more GPUs under torchrun" in f for f in stages["distill"]["fixes"])
     code, _, err = cli(capsys, *args)
     assert code == 2 and "would not fit on 1 x h100" in err and "Ways to fit it" in err
-    assert not (tmp_path / "r").exists()
+    assert not (tmp_path / "r").exists() and len(searched) == 1
 
 
 def test_a_model_without_a_head_has_no_head_stages(capsys, tmp_path):
