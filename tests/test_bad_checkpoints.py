@@ -13,8 +13,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -534,13 +532,15 @@ def make_overlap(d: Path):
 
 
 @pytest.mark.parametrize("make", [make_stray, make_overlap], ids=["stray", "overlap"])
-def test_cli_inspect_reports_bad_checkpoints(ckpt, tmp_path, make):
+def test_cli_inspect_reports_bad_checkpoints(ckpt, tmp_path, make, capsys):
+    from puzzlekit.tools.cli import main
+
     parts = make(ckpt)
     before = digest(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "puzzlekit.tools", "inspect", str(ckpt)], capture_output=True,
-                       text=True, timeout=120, check=False)
-    assert r.returncode == 1, r.stderr
-    assert "Traceback" not in r.stderr and r.stderr.startswith("puzzlekit inspect: error:")
+    code = main(["inspect", str(ckpt)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "Traceback" not in err and err.startswith("puzzlekit inspect: error:")
     for p in parts:
-        assert p in r.stderr
+        assert p in err
     assert digest(tmp_path) == before
