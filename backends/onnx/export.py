@@ -23,6 +23,7 @@ from ...errors import PuzzlekitError
 from ...ir import Program, print_program
 from ...outputs import check_output, staged_dir
 from ..torch import ProgramModule, materialize
+from ..torch.tracing import uncached_fake_tensors
 from . import pieces
 
 PREFILL, DECODE = "prefill.onnx", "decode.onnx"
@@ -101,7 +102,7 @@ def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, 
     from .trt_ops import nvfp4_qdq_op, onnxscript_lowering, type_outputs
 
     qdq = nvfp4_qdq_op()
-    with _quiet(), nvfp4_activations_as(qdq), _uncached_fake_tensors(), _torchlib_read_once():
+    with _quiet(), nvfp4_activations_as(qdq), uncached_fake_tensors(), _torchlib_read_once():
         try:
             program = torch.onnx.export(module, args, input_names=input_names, output_names=output_names,
                                         dynamic_shapes=dynamic, dynamo=True, opset_version=opset, verbose=False,
@@ -149,19 +150,6 @@ def _torchlib_read_once():
         yield
     finally:
         ONNXRegistry.from_torchlib = real
-
-
-@contextmanager
-def _uncached_fake_tensors():
-    """torch.export without its fake-tensor dispatch cache: under dynamic shapes a cache hit rebuilds the output's
-    symbolic sizes and strides, which costs more than running the op's meta function again (capture ~20%
-    faster). The graph is the same."""
-    config = torch._dynamo.config
-    if not hasattr(config, "fake_tensor_cache_enabled"):
-        yield
-        return
-    with config.patch(fake_tensor_cache_enabled=False):
-        yield
 
 
 @contextmanager

@@ -12,6 +12,7 @@ Program in `trace_graph`; this module swaps, exports and checks.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -83,6 +84,19 @@ def _recognise(root: nn.Module) -> dict[str, Converted]:
     return found
 
 
+@contextmanager
+def uncached_fake_tensors():
+    """torch.export without its fake-tensor dispatch cache: under dynamic shapes a cache hit rebuilds the output's
+    symbolic sizes and strides, which costs more than running the op's meta function again (an ONNX export's
+    capture ~20% faster, a trace of transformers' NemotronH ~40%). The graph is the same."""
+    config = torch._dynamo.config
+    if not hasattr(config, "fake_tensor_cache_enabled"):
+        yield
+        return
+    with config.patch(fake_tensor_cache_enabled=False):
+        yield
+
+
 def trace(module: nn.Module, example_inputs: tuple, check: bool = True, kwargs: dict | None = None,
           atol: float = 1e-5, rtol: float = 1e-5) -> Program:
     """Traces `module(*example_inputs, **kwargs)` into a Program (dynamic batch and length).
@@ -102,7 +116,8 @@ def trace(module: nn.Module, example_inputs: tuple, check: bool = True, kwargs: 
         bound = inspect.signature(module.forward).bind(*example_inputs, **kwargs).arguments
         dyn = {k: _dynamic(v) for k, v in bound.items()}
         try:
-            ep = torch.export.export(module, example_inputs, kwargs, dynamic_shapes=dyn, strict=False)
+            with uncached_fake_tensors():
+                ep = torch.export.export(module, example_inputs, kwargs, dynamic_shapes=dyn, strict=False)
         except Exception as e:
             raise TraceError(f"torch.export failed on {type(module).__name__}: {type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}") from e
