@@ -217,7 +217,7 @@ def test_torchlib_is_read_once_a_process_and_each_export_registers_its_ops_in_a_
     monkeypatch.setattr(export, "_REGISTRIES", {})
     monkeypatch.setattr(ONNXRegistry, "from_torchlib",
                         classmethod(lambda cls, **kw: reads.append(kw) or real.__func__(cls, **kw)))
-    prog = random_weights(ir.assemble(Embed(64, 32), [MLP(32, 48)], Norm(32), LMHead(64, 32), meta={"dtype": "float32"}),
+    prog = random_weights(ir.assemble(Embed(64, 32), [Linear(32)], Norm(32), LMHead(64, 32), meta={"dtype": "float32"}),
                           seed=1, std=0.3)
     for name in ("a", "b"):
         export_onnx(prog, tmp_path / name)
