@@ -77,4 +77,3 @@ def outputs(parent: Context, child: Context, work: Outputs) -> Stage:
                            ["a smaller --max-memory"], notes, alone=True)
     return child.stage("outputs", parent.streamed(weights), quality + search + bundle, ["a smaller --max-memory"],
                        notes, host=export, alone=True)  # the export runs on the host
-

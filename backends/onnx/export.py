@@ -115,7 +115,8 @@ def _export(module: nn.Module, args: tuple, input_names, output_names, dynamic, 
     return model
 
 
-#: opset -> torch.onnx's op registry as read from onnxscript's torchlib (see _torchlib_read_once)
+#: (registry class, opset, options) -> torch.onnx's op registry as read from onnxscript's torchlib (see
+#: _torchlib_read_once)
 _REGISTRIES: dict = {}
 
 
