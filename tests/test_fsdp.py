@@ -34,20 +34,21 @@ from puzzlekit.passes import distill as d
 from puzzlekit.passes.distill import sharding
 
 _shard, _distill = sharding.shard_model, d.distill
-OUT = os.environ["PROBE_DIR"]
-RANK = os.environ.get("RANK", "0")
+
+def _probe(name):
+    return os.path.join(os.environ["PROBE_DIR"], f"{name}-{os.environ.get('RANK', '0')}.json")
 
 def shard_model(model, mesh):
     _shard(model, mesh)
     if any(p.requires_grad for p in model.parameters()):  # the student
-        with open(os.path.join(OUT, f"probe-{RANK}.json"), "w") as f:
+        with open(_probe("probe"), "w") as f:
             json.dump({"local": sum(p.to_local().numel() for p in model.parameters()),
                        "total": sum(p.numel() for p in model.parameters()),
                        "types": sorted({type(p).__name__ for p in model.parameters()})}, f)
 
 def distill(*args, **kw):
     report = _distill(*args, **kw)
-    with open(os.path.join(OUT, f"report-{RANK}.json"), "w") as f:
+    with open(_probe("report"), "w") as f:
         json.dump({k: report[k] for k in ("steps", "resumed_from", "evals", "best", "log", "after", "shard")}, f)
     return report
 
@@ -110,7 +111,8 @@ def _moved(a: dict, start: dict) -> int:
 def runs(tmp_path_factory):
     """Four CLI runs of the same distillation (shard=fsdp): 1 process from scratch; 2 processes (with
     activation checkpointing and 2 micro-batches, which must not change the result); 2 processes killed at
-    step 3 (checkpoint of step 2 on disk); 1 process resuming that checkpoint."""
+    step 3 (checkpoint of step 2 on disk); 1 process resuming that checkpoint. The one-process runs are this
+    process's (one thread, as in the torchrun processes), with the plugin's patches undone after each."""
     root = tmp_path_factory.mktemp("fsdp")
     (root / "fsdp_probe.py").write_text(PLUGIN)
     opts = dict(shard="fsdp", **TINY, checkpoint_every=2, callbacks="[test-crash]")
@@ -119,14 +121,16 @@ def runs(tmp_path_factory):
         probe = root / name
         probe.mkdir()
         pipe = f"snapshot{{name=teacher}},{CHILD},distill{{{_options(**opts, **extra)}}}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "PROBE_DIR": str(probe)}
+        argv = ["run", "--plugin", str(root / "fsdp_probe.py"), "-p", pipe, "-o", str(probe / "out"),
+                "--extended"]  # (a noop block: extended form)
+        if nproc == 1:
+            return _in_process(argv, probe), probe
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PROBE_DIR": str(probe)}
         env.pop("CRASH_AT", None)
         if crash:
             env["CRASH_AT"] = str(crash)
-        launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port)] \
-            if nproc > 1 else []
-        p = subprocess.run([sys.executable, *launch, "-m", "puzzlekit.tools", "run", "--plugin", "fsdp_probe",
-                            "-p", pipe, "-o", str(probe / "out"), "--extended"],  # (a noop block: extended form)
+        launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port)]
+        p = subprocess.run([sys.executable, *launch, "-m", "puzzlekit.tools", *argv],
                            capture_output=True, text=True, env=env, timeout=300)
         return p, probe
 
@@ -147,6 +151,30 @@ def runs(tmp_path_factory):
             assert p.returncode == 0, p.stderr[-3000:]
         out[name] = probe
     return out
+
+
+def _in_process(argv: list[str], probe: Path) -> subprocess.CompletedProcess:
+    """`puzzlekit <argv>` in this process: its exit code and stderr as a process's."""
+    import contextlib
+    import io
+
+    from puzzlekit.passes.distill import sharding
+    from puzzlekit.tools.cli import main
+
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PROBE_DIR", str(probe))
+        for var in ("CRASH_AT", "RANK"):
+            mp.delenv(var, raising=False)
+        mp.setattr(sharding, "shard_model", sharding.shard_model)  # restored when the plugin has patched them
+        mp.setattr(distill_module, "distill", distill_module.distill)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+                code = main(argv)
+        finally:
+            CALLBACKS.pop("test-crash", None)
+            sys.modules.pop("puzzlekit_plugin_fsdp_probe", None)
+    return subprocess.CompletedProcess(argv, code, "", err.getvalue())
 
 
 def _report(probe: Path) -> dict:

@@ -19,6 +19,7 @@ lm_eval = pytest.importorskip("lm_eval")
 from puzzlekit import ir  # noqa: E402
 from puzzlekit.backends.torch import materialize  # noqa: E402
 from puzzlekit.tools.cli import main  # noqa: E402
+from puzzlekit.tools.tasks import without_environment_report  # noqa: E402
 
 import puzzlekit.evaluation.lm_eval_model  # noqa: E402,F401  (registers "puzzlekit")
 from lm_eval.tasks import TaskManager  # noqa: E402
@@ -38,9 +39,10 @@ def _manager(tasks_dir) -> TaskManager:
 
 
 def _run(model, model_args, tasks_dir, tasks=("pk_mc", "pk_ppl", "pk_gen"), batch_size=4):
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
-                                   task_manager=_manager(tasks_dir), log_samples=True,
-                                   batch_size=batch_size, bootstrap_iters=0)
+    with without_environment_report():  # the scores alone: no `pip list` and the like per run
+        return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
+                                       task_manager=_manager(tasks_dir), log_samples=True,
+                                       batch_size=batch_size, bootstrap_iters=0)
 
 
 def _samples(res, task) -> list:

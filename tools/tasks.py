@@ -10,6 +10,7 @@ import functools
 import math
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import UsageError
@@ -179,15 +180,35 @@ def check_task_options(tasks: dict, num_fewshot: int | None) -> None:
                              f"--num-fewshot {have}")
 
 
+@contextmanager
+def without_environment_report():
+    """simple_evaluate without the environment it appends to its results (torch's collect_env: `pip list`,
+    `nvidia-smi`, `lscpu`, compilers and `git describe`, a dozen processes and 1-2 s per call), which no
+    puzzlekit report reads: only the scores are kept."""
+    from lm_eval import evaluator
+
+    saved = {k: getattr(evaluator, k) for k in ("add_env_info", "get_git_commit_hash") if hasattr(evaluator, k)}
+    evaluator.add_env_info, evaluator.get_git_commit_hash = (lambda storage: None), (lambda: None)
+    try:
+        yield
+    finally:
+        for k in ("add_env_info", "get_git_commit_hash"):
+            if k in saved:
+                setattr(evaluator, k, saved[k])
+            else:
+                delattr(evaluator, k)
+
+
 def evaluate_tasks(model, tasks: dict, limit=None, num_fewshot=None, batch_size: int = 8) -> dict:
     """{task: {metric: (value, standard error or None)}} of an lm-eval model (a PuzzlekitLM) on loaded tasks."""
     import logging
 
     lm_eval, _, _ = _lm_eval()
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-metric defaults, said for every task YAML
-    res = lm_eval.simple_evaluate(model=model, tasks=list(tasks.values()), limit=limit, num_fewshot=num_fewshot,
-                                  batch_size=batch_size, log_samples=False, bootstrap_iters=1000,
-                                  random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    with without_environment_report():
+        res = lm_eval.simple_evaluate(model=model, tasks=list(tasks.values()), limit=limit, num_fewshot=num_fewshot,
+                                      batch_size=batch_size, log_samples=False, bootstrap_iters=1000,
+                                      random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     out = {}
     for task, metrics in res["results"].items():
         row = {}
