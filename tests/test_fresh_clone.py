@@ -39,11 +39,14 @@ def test_every_module_of_the_package_is_imported_once():
 
 
 def test_the_nvfp4_export_op_is_registered_on_first_use_once_and_computes_the_format():
+    """In a fresh process; importing the CLI and the ONNX backend loads no transformers (seconds of imports that
+    only a trace of a transformers model needs)."""
     r = _run("""
-import torch
+import sys, torch
 import puzzlekit, puzzlekit.ir, puzzlekit.backends.torch, puzzlekit.passes, puzzlekit.tools.cli
 assert not hasattr(torch.ops.puzzlekit, "nvfp4_qdq"), "registered as a side effect of importing the package"
 from puzzlekit.backends.onnx.trt_ops import nvfp4_qdq_op
+assert "transformers" not in sys.modules, "the ONNX backend imported transformers"
 from puzzlekit.ir.quant.formats import nvfp4_qdq
 first = nvfp4_qdq_op()
 nvfp4_qdq_op.cache_clear()

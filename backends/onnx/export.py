@@ -23,7 +23,7 @@ from ...errors import PuzzlekitError
 from ...ir import Program, print_program
 from ...outputs import check_output, staged_dir
 from ..torch import ProgramModule, materialize
-from ..torch.tracing import uncached_fake_tensors
+from ..torch.fake_tensors import uncached_fake_tensors
 from . import pieces
 
 PREFILL, DECODE = "prefill.onnx", "decode.onnx"
