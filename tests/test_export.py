@@ -121,31 +121,22 @@ def _run_steps(model, em, b, t, steps=3, seed=0):
             assert s_exp[model.state_names.index("backbone.layers.2.k")].shape[2] == t + i + 1
 
 
-@pytest.fixture(scope="module", params=["named", "dynamic"])
+@pytest.fixture(scope="module", params=["named-contiguous", "dynamic-as-prefill-returns"])
 def exported_decode(model, export_model, request):
-    """Exported with contiguous copies of a prefill state (batch as a named Dim, or Dim.DYNAMIC per tensor)."""
+    """The decode step exported from a prefill state: with the batch a named Dim and contiguous copies of the
+    state, or with Dim.DYNAMIC per tensor and the state exactly as prefill returns it (its own strides). Each is
+    then fed prefill's state and, step after step, the state it returns itself (`_run_steps`): a decode loop
+    must be able to feed a step's output back in, whatever the strides the export saw."""
     with torch.no_grad():
         _, state = model.prefill(_ids(2, 7, seed=1))
-    state = tuple(s.contiguous() for s in state)
+    named = request.param.startswith("named")
+    state = tuple(s.contiguous() for s in state) if named else state
     tok = _ids(2, 1, seed=2)[:, 0]
-    bdim = Dim("batch") if request.param == "named" else Dim.DYNAMIC
     return torch.export.export(DecodeStep(export_model), (tok, *state),
-                               dynamic_shapes=_decode_dynamic_shapes(model, bdim), strict=False)
+                               dynamic_shapes=_decode_dynamic_shapes(model, Dim("batch") if named else Dim.DYNAMIC),
+                               strict=False)
 
 
-@pytest.mark.parametrize("b,t", [(3, 5), (1, 12), (1, 1), (2, 2)])
+@pytest.mark.parametrize("b,t", [(3, 5), (1, 12), (1, 1), (2, 2), (2, 7)])
 def test_exported_decode_step_equals_eager(model, exported_decode, b, t):
     _run_steps(model, exported_decode.module(), b, t, seed=b * 10 + t)
-
-
-@pytest.mark.parametrize("batch", ["named", "dynamic"])
-def test_exported_decode_step_accepts_its_own_state(model, export_model, batch):
-    """Export the step with the state exactly as prefill returns it, then keep decoding with the state the
-    exported step itself returns: a decode loop must be able to feed a step's output state back in."""
-    with torch.no_grad():
-        _, state = model.prefill(_ids(2, 7, seed=1))
-    tok = _ids(2, 1, seed=2)[:, 0]
-    bdim = Dim("batch") if batch == "named" else Dim.DYNAMIC
-    ep = torch.export.export(DecodeStep(export_model), (tok, *state),
-                             dynamic_shapes=_decode_dynamic_shapes(model, bdim), strict=False)
-    _run_steps(model, ep.module(), 2, 7, seed=5)
