@@ -108,6 +108,30 @@ def test_the_byte_model_scores_each_request_as_an_unbatched_forward_does(tasks_d
             assert float(got) == pytest.approx(float(want), rel=1e-5, abs=1e-4)
 
 
+def test_task_scores_come_without_lm_evals_environment_report(tasks_dir, monkeypatch):
+    """`eval --tasks` keeps lm-eval's scores alone: the environment report simple_evaluate appends (torch's
+    collect_env: `pip list`, `nvidia-smi`, ...; `git describe`), a dozen processes per call, is not collected,
+    and lm-eval's own functions are back in place afterwards."""
+    import subprocess
+
+    from lm_eval import evaluator
+    from torch.utils import collect_env
+
+    from puzzlekit.backends.torch.device import resolve
+    from puzzlekit.tools.tasks import evaluate_tasks, load_tasks, model_for
+
+    started, popen = [], subprocess.Popen.__init__
+    monkeypatch.setattr(subprocess.Popen, "__init__", lambda self, args, *a, **k: started.append(args) or popen(
+        self, args, *a, **k))
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", lambda: started.append("collect_env") or "")
+    before = (evaluator.add_env_info, evaluator.get_git_commit_hash)
+    scores = evaluate_tasks(model_for(ir.load(DEFAULT), resolve("cpu")), load_tasks(["pk_mc"], [str(tasks_dir)]),
+                            limit=2)
+    assert 0 <= scores["pk_mc"]["acc"][0] <= 1
+    assert not [a for a in started if "ldconfig" not in str(a)], started  # (ctypes' library lookups aside)
+    assert (evaluator.add_env_info, evaluator.get_git_commit_hash) == before
+
+
 @pytest.mark.slow  # the CLI's table over lm-eval (26 s); the scores against the hf model stay in the default suite
 def test_eval_tasks_prints_the_table_and_json(subword, tasks_dir, capsys):
     assert main(["eval", str(subword.model), "--tasks", "pk_mc,pk_ppl", "--include-path", str(tasks_dir),
