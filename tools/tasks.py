@@ -187,16 +187,15 @@ def without_environment_report():
     puzzlekit report reads: only the scores are kept."""
     from lm_eval import evaluator
 
-    saved = {k: getattr(evaluator, k) for k in ("add_env_info", "get_git_commit_hash") if hasattr(evaluator, k)}
-    evaluator.add_env_info, evaluator.get_git_commit_hash = (lambda storage: None), (lambda: None)
+    stubs = {"add_env_info": lambda storage: None, "get_git_commit_hash": lambda: None}
+    saved = {k: getattr(evaluator, k) for k in stubs if hasattr(evaluator, k)}  # (what this lm-eval has)
+    for k in saved:
+        setattr(evaluator, k, stubs[k])
     try:
         yield
     finally:
-        for k in ("add_env_info", "get_git_commit_hash"):
-            if k in saved:
-                setattr(evaluator, k, saved[k])
-            else:
-                delattr(evaluator, k)
+        for k, v in saved.items():
+            setattr(evaluator, k, v)
 
 
 def evaluate_tasks(model, tasks: dict, limit=None, num_fewshot=None, batch_size: int = 8) -> dict:
