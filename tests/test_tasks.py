@@ -111,7 +111,8 @@ def test_the_byte_model_scores_each_request_as_an_unbatched_forward_does(tasks_d
 def test_task_scores_come_without_lm_evals_environment_report(tasks_dir, monkeypatch):
     """`eval --tasks` keeps lm-eval's scores alone: the environment report simple_evaluate appends (torch's
     collect_env: `pip list`, `nvidia-smi`, ...; `git describe`), a dozen processes per call, is not collected,
-    and lm-eval's own functions are back in place afterwards."""
+    and lm-eval's own functions are back in place afterwards. Nor is the index of every task lm-eval ships read
+    (5-10 s) for tasks of the user's own folder, loaded already."""
     import subprocess
 
     from lm_eval import evaluator
@@ -124,12 +125,16 @@ def test_task_scores_come_without_lm_evals_environment_report(tasks_dir, monkeyp
     monkeypatch.setattr(subprocess.Popen, "__init__", lambda self, args, *a, **k: started.append(args) or popen(
         self, args, *a, **k))
     monkeypatch.setattr(collect_env, "get_pretty_env_info", lambda: started.append("collect_env") or "")
+    indexes, index = [], TaskManager.__init__
+    monkeypatch.setattr(TaskManager, "__init__", lambda self, *a, **k: indexes.append(k.get("include_defaults", True))
+                        or index(self, *a, **k))
     before = (evaluator.add_env_info, evaluator.get_git_commit_hash)
     scores = evaluate_tasks(model_for(ir.load(DEFAULT), resolve("cpu")), load_tasks(["pk_mc"], [str(tasks_dir)]),
                             limit=2)
     assert 0 <= scores["pk_mc"]["acc"][0] <= 1
     assert not [a for a in started if "ldconfig" not in str(a)], started  # (ctypes' library lookups aside)
     assert (evaluator.add_env_info, evaluator.get_git_commit_hash) == before
+    assert True not in indexes, "lm-eval's shipped task index was read"
 
 
 @pytest.mark.slow  # the CLI's table over lm-eval (26 s); the scores against the hf model stay in the default suite

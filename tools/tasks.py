@@ -199,13 +199,16 @@ def without_environment_report():
 
 
 def evaluate_tasks(model, tasks: dict, limit=None, num_fewshot=None, batch_size: int = 8) -> dict:
-    """{task: {metric: (value, standard error or None)}} of an lm-eval model (a PuzzlekitLM) on loaded tasks."""
+    """{task: {metric: (value, standard error or None)}} of an lm-eval model (a PuzzlekitLM) on loaded tasks.
+    The tasks are loaded already, so simple_evaluate gets an empty task index: without one it reads every task YAML
+    lm-eval ships (5-10 s a call) to look up nothing."""
     import logging
 
     lm_eval, _, _ = _lm_eval()
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-metric defaults, said for every task YAML
     with without_environment_report():
-        res = lm_eval.simple_evaluate(model=model, tasks=list(tasks.values()), limit=limit, num_fewshot=num_fewshot,
+        res = lm_eval.simple_evaluate(model=model, tasks=list(tasks.values()), task_manager=_manager((), shipped=False),
+                                      limit=limit, num_fewshot=num_fewshot,
                                       batch_size=batch_size, log_samples=False, bootstrap_iters=1000,
                                       random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     out = {}
