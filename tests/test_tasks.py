@@ -137,7 +137,6 @@ def test_task_scores_come_without_lm_evals_environment_report(tasks_dir, monkeyp
     assert True not in indexes, "lm-eval's shipped task index was read"
 
 
-@pytest.mark.slow  # the CLI's table over lm-eval (26 s); the scores against the hf model stay in the default suite
 def test_eval_tasks_prints_the_table_and_json(subword, tasks_dir, capsys):
     assert main(["eval", str(subword.model), "--tasks", "pk_mc,pk_ppl", "--include-path", str(tasks_dir),
                  "--limit", "6", "--teacher", str(subword.model), "--json"]) == 0
