@@ -302,6 +302,43 @@ def test_the_export_optimizer_work_grows_linearly_with_the_graph(monkeypatch):
     assert seen[1] < 2.5 * seen[0], seen
 
 
+def _chained_rewrites_model(adds: int) -> onnx.ModelProto:
+    """Max then Min (made a Clip, then fused with the next Clip in the same pass), Casts, Transposes and Reshapes
+    that fold, and `adds` Adds no rule matches."""
+    c = lambda name, v, ty=TensorProto.FLOAT, dims=(): helper.make_tensor(name, ty, list(dims), v)
+    inits = [c("lo", [-1.0]), c("hi", [2.0]), c("lo2", [0.0]), c("hi2", [1.5]),
+             c("shape1", [4, 1], TensorProto.INT64, [2]), c("shape2", [2, 2], TensorProto.INT64, [2])]
+    nodes = [helper.make_node("Max", ["x", "lo"], ["m1"]), helper.make_node("Min", ["m1", "hi"], ["m2"]),
+             helper.make_node("Clip", ["m2", "lo2", "hi2"], ["m3"]),
+             helper.make_node("Cast", ["m3"], ["m4"], to=TensorProto.DOUBLE),
+             helper.make_node("Cast", ["m4"], ["m5"], to=TensorProto.FLOAT),
+             helper.make_node("Transpose", ["m5"], ["m6"], perm=[1, 0]),
+             helper.make_node("Transpose", ["m6"], ["m7"], perm=[1, 0]),
+             helper.make_node("Reshape", ["m7", "shape1"], ["m8"]), helper.make_node("Reshape", ["m8", "shape2"], ["a0"])]
+    nodes += [helper.make_node("Add", [f"a{i}", "x"], [f"a{i + 1}"]) for i in range(adds)]
+    return _model(nodes, [_vi("x")], [_vi(f"a{adds}")], inits=inits)
+
+
+def test_the_export_optimizer_tries_each_rule_on_its_own_op_and_rewrites_as_onnxscript_does(monkeypatch):
+    """Rules tried only on nodes of their pattern's root op: the same graph, byte for byte, as onnxscript's own
+    optimizer (its rewrites chained within one pass included), with far fewer matcher calls than nodes x rules."""
+    from onnxscript import optimizer, rewriter
+    from onnxscript.rewriter import _rewrite_rule
+
+    from puzzlekit.backends.onnx.export import _optimize
+
+    model = _chained_rewrites_model(adds=200)
+    theirs = optimizer.optimize(model, input_size_limit=1)
+    calls, match = [0], _rewrite_rule.RewriteRule.match
+    monkeypatch.setattr(_rewrite_rule.RewriteRule, "match", lambda *a, **k: calls.__setitem__(0, calls[0] + 1)
+                        or match(*a, **k))
+    ours = _optimize(model)
+    assert ours.SerializeToString() == theirs.SerializeToString()
+    assert [n.op_type for n in ours.graph.node if n.op_type != "Add"] == ["Clip", "Cast", "Cast"]  # rewritten
+    tries = len(model.graph.node) * len(rewriter._DEFAULT_REWRITE_RULES)  # every rule on every node: ~18,700
+    assert 0 < calls[0] < tries / 5, (calls, tries)  # (the no-op rules rooted at Add still try each Add)
+
+
 def test_each_distinct_layer_is_traced_once_and_the_graph_stitched_from_copies(default_bundle):
     """Layers with the same spec make the same graph: the default model's 12 layers (5 Mamba, 5 MoE, 2 attention,
     1 MLP of 4 specs) are traced as 4, besides the embedding, norm, head and MTP head; each copy keeps its own
