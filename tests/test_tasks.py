@@ -151,6 +151,27 @@ def test_eval_tasks_prints_the_table_and_json(subword, tasks_dir, capsys):
     assert "pk_mc" in text and "acc" in text and "± stderr" in text
 
 
+def test_a_group_scores_its_tasks_as_they_score_alone_and_their_aggregate(subword, tasks_dir, tmp_path, capsys):
+    """A group (lm-eval's mmlu is one) through `eval --tasks`: each of its tasks scores what it scores alone, the
+    group row is their size-weighted mean, and the group's task files are inputs like a task's."""
+    import shutil
+
+    folder = tmp_path / "tasks"
+    shutil.copytree(tasks_dir, folder)
+    (folder / "group.yaml").write_text("group: pk_group\ntask:\n  - pk_mc\n  - pk_ppl\naggregate_metric_list:\n"
+                                       "  - metric: acc\n    weight_by_size: true\n")
+    args = ["eval", str(subword.model), "--include-path", str(folder), "--limit", "6", "--json"]
+    assert main([*args, "--tasks", "pk_group"]) == 0
+    grouped = {(r["task"], r["metric"]): r["value"] for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert main([*args, "--tasks", "pk_mc,pk_ppl"]) == 0
+    alone = {(r["task"], r["metric"]): r["value"] for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert {k: v for k, v in grouped.items() if k[0] != "pk_group"} == alone
+    assert grouped[("pk_group", "acc")] == pytest.approx(alone[("pk_mc", "acc")], rel=1e-12)  # acc: pk_mc's alone
+    from puzzlekit.tools.tasks import load_tasks, task_files
+
+    assert sorted(t for t, _ in task_files(load_tasks(["pk_group"], [str(folder)]))) == ["pk_mc", "pk_ppl"]
+
+
 def test_an_unknown_task_is_named_with_the_fix_without_reading_every_shipped_task(tasks_dir, monkeypatch, capsys):
     """A name in no file lm-eval ships is refused before its whole index is built (5-10 s)."""
     from puzzlekit.tools import tasks

@@ -65,6 +65,16 @@ def _maybe_shipped(name: str) -> bool:
     return False
 
 
+def _load(name: str, manager, get_task_dict) -> dict:
+    """{name: lm-eval Task or Group} of one task, group or tag (a tag: {each task's name: Task}). lm-eval 0.4.10+
+    loads Task and Group objects, which simple_evaluate takes back as they are; older ones make nested dicts."""
+    if not hasattr(manager, "load"):
+        return get_task_dict([name], manager)
+    loaded = manager.load([name])
+    top = loaded["groups"].get(name) or loaded["tasks"].get(name)
+    return {name: top} if top is not None else dict(loaded["tasks"])
+
+
 def _unknown(name: str, include_path, known: int | None = None) -> UsageError:
     """The refusal of a task name no index holds: a task YAML of --include-path that lm-eval could not read
     (it skips them without a word), else where the names and a task of one's own are."""
@@ -121,11 +131,11 @@ def load_tasks(names: list[str], include_path=None) -> dict:
             raise _unknown(name, include_path, len(known))
         try:
             try:
-                out.update(get_task_dict([name], manager))
+                out.update(_load(name, manager, get_task_dict))
             except Exception:  # a group of the folders' that names a shipped task: again with the whole index
                 if manager is _manager(folders):
                     raise
-                out.update(get_task_dict([name], _manager(folders)))
+                out.update(_load(name, _manager(folders), get_task_dict))
         except Exception as e:  # datasets raises ConnectionError, FileNotFoundError, DatasetNotFoundError, ...
             first = str(e).splitlines()[0] if str(e) else ""
             raise UsageError(f"task {name}: its data could not be loaded ({type(e).__name__}: {first[:200]}); on a "
@@ -143,6 +153,8 @@ def leaf_tasks(tasks: dict):
     for key, value in tasks.items():
         if isinstance(value, dict):
             yield from leaf_tasks(value)
+        elif hasattr(value, "get_all_tasks"):  # a Group (lm-eval 0.4.10+)
+            yield from ((t.config.task, t) for t in value.get_all_tasks())
         elif value is not None and hasattr(value, "config"):
             yield getattr(key, "group_name", None) or getattr(value.config, "task", None) or str(key), value
 
