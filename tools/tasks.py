@@ -65,13 +65,13 @@ def _maybe_shipped(name: str) -> bool:
     return False
 
 
-def _load(name: str, manager, get_task_dict) -> dict:
+def _load(name: str, manager) -> dict:
     """{name: lm-eval Task or Group} of one task, group or tag (a tag: {each task's name: Task}). lm-eval 0.4.10+
     loads Task and Group objects, which simple_evaluate takes back as they are; older ones make nested dicts."""
     if not hasattr(manager, "load"):
-        return get_task_dict([name], manager)
+        return _lm_eval()[2]([name], manager)
     loaded = manager.load([name])
-    top = loaded["groups"].get(name) or loaded["tasks"].get(name)
+    top = loaded["groups"].get(name, loaded["tasks"].get(name))  # (not `or`: a Group's truth is its length)
     return {name: top} if top is not None else dict(loaded["tasks"])
 
 
@@ -112,7 +112,7 @@ def load_tasks(names: list[str], include_path=None) -> dict:
     with one line naming it (a task YAML that cannot be read names the file and its error; a missing
     --include-path folder is named). Each call builds fresh task objects (they hold one evaluation's requests);
     their data files become inputs of the command (no output may replace them)."""
-    _, _, get_task_dict = _lm_eval()
+    _lm_eval()  # refused at once without lm-eval
     for folder in include_path or ():
         if not Path(folder).is_dir():
             raise UsageError(f"--include-path {folder}: no such folder (it should hold your task YAML files)")
@@ -131,11 +131,11 @@ def load_tasks(names: list[str], include_path=None) -> dict:
             raise _unknown(name, include_path, len(known))
         try:
             try:
-                out.update(_load(name, manager, get_task_dict))
+                out.update(_load(name, manager))
             except Exception:  # a group of the folders' that names a shipped task: again with the whole index
                 if manager is _manager(folders):
                     raise
-                out.update(_load(name, _manager(folders), get_task_dict))
+                out.update(_load(name, _manager(folders)))
         except Exception as e:  # datasets raises ConnectionError, FileNotFoundError, DatasetNotFoundError, ...
             first = str(e).splitlines()[0] if str(e) else ""
             raise UsageError(f"task {name}: its data could not be loaded ({type(e).__name__}: {first[:200]}); on a "

@@ -8,6 +8,7 @@ program text, state names and provenance are in the model metadata.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import warnings
@@ -179,8 +180,6 @@ def _rooted(rule):
     """A copy of a one-output-node rule that returns at once from a node of another op type than its pattern's
     root (the matcher's first check, so nothing it would rewrite is skipped); a rule whose root op is not one
     name is kept as it is."""
-    import copy
-
     try:
         op = rule._target_pattern.output_node.op_identifier()[1]
     except (AttributeError, TypeError, ValueError):  # another onnxscript layout, a root of several ops
