@@ -190,6 +190,15 @@ def test_an_unknown_task_is_named_with_the_fix_without_reading_every_shipped_tas
     assert True not in made
 
 
+def test_an_lm_eval_without_task_objects_is_refused_naming_the_version_and_the_fix(tasks_dir, monkeypatch, capsys):
+    """lm-eval before 0.4.12 has no TaskManager.load, and its simple_evaluate looks every task up in the task index
+    it is handed (an empty one here): a KeyError after the model was loaded. Refused at once instead."""
+    monkeypatch.delattr(lm_eval.tasks.TaskManager, "load")
+    assert main(["eval", "--tasks", "pk_mc", "--include-path", str(tasks_dir)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "0.4.12 or newer" in line and "pip install -U 'puzzlekit[eval]'" in line, line
+
+
 @pytest.mark.parametrize("where, key, name", [
     ("hellaswag/hellaswag.yaml", "task", "hellaswag"), ("arc/arc_easy.yaml", "task", "arc_easy"),
     ("mmlu/default/_mmlu.yaml", "group", "mmlu"),

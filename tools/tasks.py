@@ -20,12 +20,18 @@ PREFERRED = ("acc", "acc_norm", "exact_match", "word_perplexity", "byte_perplexi
 
 
 def _lm_eval():
+    """lm-eval and its task index, refused where missing or older than 0.4.12: tasks are loaded as Task and
+    Group objects (`TaskManager.load`), which older versions lack (their `simple_evaluate` also looks every
+    task up in the task index it is handed, and this one is handed an empty one: `evaluate_tasks`)."""
     try:
         import lm_eval
-        from lm_eval.tasks import TaskManager, get_task_dict
+        from lm_eval.tasks import TaskManager
     except ImportError:
         raise UsageError("--tasks needs lm-evaluation-harness: pip install 'puzzlekit[eval]'") from None
-    return lm_eval, TaskManager, get_task_dict
+    if not hasattr(TaskManager, "load"):
+        raise UsageError(f"--tasks needs lm-evaluation-harness 0.4.12 or newer (this is "
+                         f"{getattr(lm_eval, '__version__', 'an older one')}): pip install -U 'puzzlekit[eval]'")
+    return lm_eval, TaskManager
 
 
 def task_names(text: str) -> list[str]:
@@ -39,7 +45,7 @@ def task_names(text: str) -> list[str]:
 def _manager(include_path: tuple[str, ...], shipped: bool = True):
     """lm-eval's task index, made once per set of folders: with `shipped`, of every task YAML lm-eval ships too
     (seconds to read), else of the folders' alone (what a run on the user's own tasks needs)."""
-    _, TaskManager, _ = _lm_eval()
+    _, TaskManager = _lm_eval()
     return TaskManager(include_path=list(include_path) or None, include_defaults=shipped)
 
 
@@ -47,7 +53,7 @@ def _manager(include_path: tuple[str, ...], shipped: bool = True):
 def _shipped_text() -> bytes:
     """The text of every file in lm-eval's task folder, read once (under a second; its index parses them: 5-10 s). Not
     its *.yaml alone: they `include:` files of any name (`_default_template_yaml`), whose `tag:`s are names too."""
-    lm_eval, _, _ = _lm_eval()
+    lm_eval, _ = _lm_eval()
     parts = []
     for folder, dirs, files in os.walk(Path(lm_eval.__file__).parent / "tasks"):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
@@ -66,10 +72,8 @@ def _maybe_shipped(name: str) -> bool:
 
 
 def _load(name: str, manager) -> dict:
-    """{name: lm-eval Task or Group} of one task, group or tag (a tag: {each task's name: Task}). lm-eval 0.4.10+
-    loads Task and Group objects, which simple_evaluate takes back as they are; older ones make nested dicts."""
-    if not hasattr(manager, "load"):
-        return _lm_eval()[2]([name], manager)
+    """{name: lm-eval Task or Group} of one task, group or tag (a tag: {each task's name: Task}), which
+    simple_evaluate takes back as they are."""
     loaded = manager.load([name])
     top = loaded["groups"].get(name, loaded["tasks"].get(name))  # (not `or`: a Group's truth is its length)
     return {name: top} if top is not None else dict(loaded["tasks"])
@@ -216,7 +220,7 @@ def evaluate_tasks(model, tasks: dict, limit=None, num_fewshot=None, batch_size:
     lm-eval ships (5-10 s a call) to look up nothing."""
     import logging
 
-    lm_eval, _, _ = _lm_eval()
+    lm_eval, _ = _lm_eval()
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-metric defaults, said for every task YAML
     with without_environment_report():
         res = lm_eval.simple_evaluate(model=model, tasks=list(tasks.values()), task_manager=_manager((), shipped=False),
