@@ -157,7 +157,7 @@ def leaf_tasks(tasks: dict):
     for key, value in tasks.items():
         if isinstance(value, dict):
             yield from leaf_tasks(value)
-        elif hasattr(value, "get_all_tasks"):  # a Group (lm-eval 0.4.10+)
+        elif hasattr(value, "get_all_tasks"):  # a Group
             yield from ((t.config.task, t) for t in value.get_all_tasks())
         elif value is not None and hasattr(value, "config"):
             yield getattr(key, "group_name", None) or getattr(value.config, "task", None) or str(key), value
