@@ -196,12 +196,30 @@ def test_nvfp4_export_is_exact_under_the_reference_evaluator(small, tmp_path):
         np.testing.assert_allclose(logits, materialize(prog)(ids).numpy(), atol=1e-4, rtol=1e-4)
 
 
-def test_program_without_decode_state_exports(tmp_path):
+@pytest.fixture(scope="module")
+def exported_twice(tmp_path_factory):
+    """A program without decode state (MLP, linear, a tied head) exported twice in this process, torch.onnx's
+    reads of onnxscript's torchlib counted: (program, folder of the exports a and b, the reads, the registries
+    kept, the name of the registry reader seen after the exports)."""
+    import puzzlekit.backends.onnx.export as export
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
     prog = random_weights(ir.assemble(Embed(256, 32), [MLP(32, 64), Linear(32)], Norm(32), LMHead(256, 32, tied=True),
                                       meta={"dtype": "float32"}), seed=1, std=0.3)
-    export_onnx(prog, tmp_path / "x")
+    out, real, reads = tmp_path_factory.mktemp("twice"), ONNXRegistry.__dict__["from_torchlib"], []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(export, "_REGISTRIES", {})
+        mp.setattr(ONNXRegistry, "from_torchlib",
+                   classmethod(lambda cls, **kw: reads.append(kw) or real.__func__(cls, **kw)))
+        for name in ("a", "b"):
+            export_onnx(prog, out / name)
+        return prog, out, reads, dict(export._REGISTRIES), ONNXRegistry.__dict__["from_torchlib"].__func__.__name__
+
+
+def test_program_without_decode_state_exports(exported_twice):
+    prog, out, *_ = exported_twice
     ids = torch.randint(0, 256, (2, 5))
-    got = OnnxModel(tmp_path / "x").generate(ids.numpy(), 4)
+    got = OnnxModel(out / "a").generate(ids.numpy(), 4)
     m = materialize(prog)
     seq = ids
     with torch.no_grad():
@@ -210,26 +228,16 @@ def test_program_without_decode_state_exports(tmp_path):
     assert np.array_equal(got, seq.numpy())
 
 
-def test_torchlib_is_read_once_a_process_and_each_export_registers_its_ops_in_a_copy(tmp_path, monkeypatch):
+def test_torchlib_is_read_once_a_process_and_each_export_registers_its_ops_in_a_copy(exported_twice):
     """torch.onnx reads onnxscript's torchlib on every export; two exports read it once, write the same graphs,
     and leave the registry read free of the ops an export registers (the NVFP4 quantizer)."""
-    import puzzlekit.backends.onnx.export as export
-    from torch.onnx._internal.exporter._registration import ONNXRegistry
-
-    real, reads = ONNXRegistry.__dict__["from_torchlib"], []
-    monkeypatch.setattr(export, "_REGISTRIES", {})
-    monkeypatch.setattr(ONNXRegistry, "from_torchlib",
-                        classmethod(lambda cls, **kw: reads.append(kw) or real.__func__(cls, **kw)))
-    prog = random_weights(ir.assemble(Embed(64, 32), [Linear(32)], Norm(32), LMHead(64, 32), meta={"dtype": "float32"}),
-                          seed=1, std=0.3)
-    for name in ("a", "b"):
-        export_onnx(prog, tmp_path / name)
-    assert len(reads) == 1 and len(export._REGISTRIES) == 1
-    assert ONNXRegistry.__dict__["from_torchlib"].__func__.__name__ == "<lambda>"  # put back after each export
-    read = next(iter(export._REGISTRIES.values()))
+    _, out, reads, registries, reader = exported_twice
+    assert len(reads) == 1 and len(registries) == 1
+    assert reader == "<lambda>"  # put back after each export
+    read = next(iter(registries.values()))
     assert read.functions and not any(m.is_custom for v in read.functions.values() for m in v)
     for name in (PREFILL, DECODE, PREFILL + ".data", DECODE + ".data"):
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+        assert (out / "a" / name).read_bytes() == (out / "b" / name).read_bytes(), name
 
 
 def test_generate_with_onnx_refuses_an_fp4_model_before_exporting(tmp_path, capsys):
