@@ -198,13 +198,13 @@ def test_nvfp4_export_is_exact_under_the_reference_evaluator(small, tmp_path):
 
 @pytest.fixture(scope="module")
 def exported_twice(tmp_path_factory):
-    """A program without decode state (MLP, linear, a tied head) exported twice in this process, torch.onnx's
+    """A program without decode state (a linear layer, a tied head) exported twice in this process, torch.onnx's
     reads of onnxscript's torchlib counted: (program, folder of the exports a and b, the reads, the registries
     kept, the name of the registry reader seen after the exports)."""
     import puzzlekit.backends.onnx.export as export
     from torch.onnx._internal.exporter._registration import ONNXRegistry
 
-    prog = random_weights(ir.assemble(Embed(256, 32), [MLP(32, 64), Linear(32)], Norm(32), LMHead(256, 32, tied=True),
+    prog = random_weights(ir.assemble(Embed(256, 32), [Linear(32)], Norm(32), LMHead(256, 32, tied=True),
                                       meta={"dtype": "float32"}), seed=1, std=0.3)
     out, real, reads = tmp_path_factory.mktemp("twice"), ONNXRegistry.__dict__["from_torchlib"], []
     with pytest.MonkeyPatch.context() as mp:
